@@ -1,0 +1,599 @@
+"""``BatchTurboQuantKVCache``: many requests' TurboQuant KV state in one tensor.
+
+Geometry follows mlx-lm's ``BatchKVCache`` exactly. Rows are right-aligned on
+a shared *written end* (``size()``); row ``b`` holds ``left_padding[b]`` dead
+slots and then its ``offset[b]`` tokens, so ``offset == size() - left_padding``
+at all times. Writes land at the written end, which is tracked explicitly:
+it is neither ``max(offset)`` (short of the end once the unpadded row is
+filtered away, omlx #2172) nor the allocated capacity (past the end after
+growth).
+
+All reshaping (merge, extend, filter, extract, finalize, trim) moves packed
+bits and never re-quantizes, so a row always holds exactly the bits that a
+single ``TurboQuantKVCache`` with the same bits and seed would hold for that
+request alone.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral
+from typing import Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_vlm.turboquant import (
+    TurboQuantKVCache,
+    TurboQuantMSEState,
+    _QuantizedStateProxy,
+)
+
+from tqbatch import _packed
+
+__all__ = ["BatchTurboQuantKVCache"]
+
+
+def _int_list(values, name: str, *, length: Optional[int] = None) -> list[int]:
+    """``values`` as a list of Python ints, or a ValueError/TypeError naming ``name``."""
+    if isinstance(values, mx.array):
+        values = values.tolist()
+    elif hasattr(values, "tolist"):  # numpy arrays
+        values = values.tolist()
+    if isinstance(values, Integral) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, Integral):
+            raise TypeError(f"{name} must contain ints, got {v!r}")
+        out.append(int(v))
+    if length is not None and len(out) != length:
+        raise ValueError(f"{name} has {len(out)} entries, the batch has {length} rows")
+    return out
+
+
+def _padding_list(values, name: str, *, length: Optional[int] = None) -> list[int]:
+    out = _int_list(values, name, length=length)
+    negative = [v for v in out if v < 0]
+    if negative:
+        raise ValueError(f"{name} must be non-negative, got {out}")
+    return out
+
+
+def _unwrap(state):
+    return state._state if isinstance(state, _QuantizedStateProxy) else state
+
+
+def _as_packed(state):
+    """Accept a packed state, or the plain nested lists a serializer leaves behind."""
+    state = _unwrap(state)
+    if state is None or isinstance(state, tuple) and hasattr(state, "_fields"):
+        return state
+    # tree_unflatten after save/load turns NamedTuples into lists; this cache
+    # only builds MSE codecs (integer key/value bits), so the state is MSE.
+    if isinstance(state, (list, tuple)) and len(state) == 2:
+        return TurboQuantMSEState(*state)
+    raise TypeError(f"not a TurboQuant packed state: {type(state).__name__}")
+
+
+class BatchTurboQuantKVCache(TurboQuantKVCache):
+    """A TurboQuant KV cache holding a batch of requests, for continuous batching.
+
+    Drop-in beside mlx-lm's ``BatchKVCache``: same constructor, ``prepare`` /
+    ``finalize``, ``merge`` / ``extend`` / ``filter`` / ``extract``, ``trim``,
+    ``make_mask`` and geometry (``offset``, ``left_padding``, ``size()``).
+    ``update_and_fetch`` returns packed states that
+    ``mlx_vlm.models.base.scaled_dot_product_attention`` consumes.
+
+    Args:
+        left_padding: dead slots at the start of each row; its length is the
+            batch size.
+        bits: TurboQuant bits per coordinate (integers 2-8 and halves).
+        seed: codec seed; rows quantize exactly as a ``TurboQuantKVCache``
+            with the same ``bits`` and ``seed``.
+        key_bits, value_bits: integer overrides of the per-side bits.
+    """
+
+    def __init__(
+        self,
+        left_padding: Sequence[int],
+        bits: float = 4.0,
+        seed: int = 0,
+        *,
+        key_bits: Optional[float] = None,
+        value_bits: Optional[float] = None,
+    ):
+        padding = _padding_list(left_padding, "left_padding")
+        if not padding:
+            raise ValueError("left_padding must have one entry per row; got an empty list")
+        for name, side in (("key_bits", key_bits), ("value_bits", value_bits)):
+            # Fractional per-side bits make mlx-vlm pick outlier channels from
+            # the first tensor it sees: two requests would get different codecs
+            # and could not share a batch.
+            if side is not None and not math.isclose(side, round(side)):
+                raise ValueError(
+                    f"{name}={side}: per-side bits must be integers (fractional "
+                    "per-side codecs depend on the data and are not reproducible)"
+                )
+        super().__init__(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
+        self.left_padding = mx.array(padding, dtype=mx.int32)
+        self.offset = -self.left_padding
+        self._end = 0  # written physical end; never named `_idx` (mlx-vlm rollback keys on it)
+        self._right_padding: Optional[mx.array] = None
+
+    # ------------------------------------------------------------------ basics
+
+    @property
+    def batch_size(self) -> int:
+        return self.left_padding.shape[0]
+
+    @property
+    def config(self) -> tuple:
+        """(bits, key_bits, value_bits, seed): what two caches must share to be batched."""
+        return (self.bits, self.key_bits, self.value_bits, self.seed)
+
+    def size(self) -> int:
+        """The written end: number of token slots in use, padding included."""
+        return self._end
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the packed key and value buffers (allocated capacity)."""
+        if self.keys is None:
+            return 0
+        return _packed.nbytes(self.keys) + _packed.nbytes(self.values)
+
+    def _invalidate(self):
+        self._cached_state = None
+        self._cached_state_offset = -1
+
+    def _written(self):
+        return (
+            _packed.token_range(self.keys, 0, self._end),
+            _packed.token_range(self.values, 0, self._end),
+        )
+
+    # ------------------------------------------------------------------ writes
+
+    def _check_kv(self, keys: mx.array, values: mx.array):
+        if keys.ndim != 4 or values.ndim != 4:
+            raise ValueError(
+                f"keys and values must be (B, H, T, D); got {keys.shape} and {values.shape}"
+            )
+        if keys.shape[:3] != values.shape[:3]:
+            raise ValueError(
+                f"keys {keys.shape} and values {values.shape} disagree on (B, H, T)"
+            )
+        B, H, T, _ = keys.shape
+        if B != self.batch_size:
+            raise ValueError(f"keys have {B} rows, the cache has {self.batch_size}")
+        if T < 1:
+            raise ValueError("update_and_fetch needs at least one token (T >= 1)")
+        if self.keys is not None and H != _packed.heads(self.keys):
+            raise ValueError(f"keys have {H} heads, the cache holds {_packed.heads(self.keys)}")
+        for name, codec, dim in (
+            ("keys", self.key_codec, keys.shape[3]),
+            ("values", self.value_codec, values.shape[3]),
+        ):
+            if codec is not None and codec.dim != dim:
+                raise ValueError(f"{name} have head_dim {dim}, the cache's codec has {codec.dim}")
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append ``T`` tokens to every row at the written end; return all written slots."""
+        self._check_kv(keys, values)
+        self._ensure_codecs(keys, values)
+        new_keys, new_values = self._try_fused_kv_quantize(keys, values)
+        if new_keys is None:
+            new_keys = self.key_codec.quantize(keys)
+            new_values = self.value_codec.quantize(values)
+
+        start, n_new = self._end, keys.shape[2]
+        end = start + n_new
+        if self.keys is None:
+            self.keys = _packed.zeros_like(new_keys, self.batch_size, end)
+            self.values = _packed.zeros_like(new_values, self.batch_size, end)
+        else:
+            self.keys = _packed.grow(self.keys, start, end, self.cache_step)
+            self.values = _packed.grow(self.values, start, end, self.cache_step)
+        self.keys = _packed.write_tokens(self.keys, new_keys, start)
+        self.values = _packed.write_tokens(self.values, new_values, start)
+
+        self._end = end
+        self.offset = self.offset + n_new
+        self._invalidate()
+        # Same evaluation cadence as the parent: keeps the lazy graph short.
+        if n_new > 1 or end % 50 == 0:
+            mx.eval(self.keys, self.values, self.offset)
+        ks, vs = self._written()
+        n_heads = keys.shape[1]
+        return _QuantizedStateProxy(ks, end, n_heads), _QuantizedStateProxy(vs, end, n_heads)
+
+    # ------------------------------------------------------------------ masks
+
+    def make_mask(
+        self,
+        N: int,
+        return_array: bool = False,
+        window_size: Optional[int] = None,
+        **kwargs,
+    ):
+        """The (B, 1, N, size() + N) boolean mask for the next ``N`` queries, as BatchKVCache."""
+        return create_causal_mask(
+            N, offset=self._end, left_padding=self.left_padding, window_size=window_size
+        )
+
+    # ------------------------------------------------------------------ prefill
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        """Declare padding of the prompt about to be prefilled (BatchKVCache semantics).
+
+        ``left_padding`` only on an empty cache; ``right_padding`` is rolled
+        into left padding by ``finalize()`` after the prefill. ``lengths`` is
+        accepted for interface compatibility and, as in BatchKVCache, unused.
+        """
+        B = self.batch_size
+        if left_padding is not None:
+            left = _padding_list(left_padding, "left_padding", length=B)
+            if self.keys is not None:
+                raise ValueError(
+                    "left_padding can only be prepared on an empty cache "
+                    f"(this one has {self._end} written slots)"
+                )
+        if right_padding is not None:
+            right = _padding_list(right_padding, "right_padding", length=B)
+        if lengths is not None:
+            _padding_list(lengths, "lengths", length=B)
+        if left_padding is not None:
+            left = mx.array(left, dtype=mx.int32)
+            self.left_padding = self.left_padding + left
+            self.offset = self.offset - left
+        if right_padding is not None and max(right) > 0:
+            self._right_padding = mx.array(right, dtype=mx.int32)
+
+    def finalize(self):
+        """Move pending right padding to the left by rolling packed rows (bit-exact)."""
+        if self._right_padding is None:
+            return
+        padding = self._right_padding
+        if self.keys is not None:
+            keys, values = self._written()
+            self.keys = _packed.roll_rows(keys, padding)
+            self.values = _packed.roll_rows(values, padding)
+            mx.eval(self.keys, self.values)
+        self.offset = self.offset - padding
+        self.left_padding = self.left_padding + padding
+        self._right_padding = None
+        self._invalidate()
+
+    # ------------------------------------------------------------------ batch ops
+
+    def filter(self, batch_indices):
+        """Keep the rows ``batch_indices`` (in that order) and drop shared dead columns."""
+        B = self.batch_size
+        keep = _int_list(batch_indices, "batch_indices")
+        if not keep:
+            raise ValueError("filter needs at least one row index; got none")
+        bad = [i for i in keep if not 0 <= i < B]
+        if bad:
+            raise IndexError(f"batch_indices {bad} out of range for a batch of {B} rows")
+        if len(set(keep)) != len(keep):
+            raise ValueError(f"batch_indices has duplicates: {keep}")
+
+        index = mx.array(keep, dtype=mx.int32)
+        left_padding = self.left_padding[index]
+        # Compact: columns every survivor treats as padding are dead. Never
+        # shift past the written end (an empty, left-padded cache has none).
+        shift = min(min(left_padding.tolist()), self._end)
+        if self.keys is not None:
+            keys, values = self._written()
+            self.keys = _packed.token_range(_packed.select_rows(keys, index), shift, self._end)
+            self.values = _packed.token_range(_packed.select_rows(values, index), shift, self._end)
+        self.offset = self.offset[index]
+        self.left_padding = left_padding - shift
+        if self._right_padding is not None:
+            self._right_padding = self._right_padding[index]
+        self._end -= shift
+        self._invalidate()
+
+    def _check_same_config(self, other: "TurboQuantKVCache", op: str):
+        mine = self.config
+        theirs = (other.bits, other.key_bits, other.value_bits, other.seed)
+        if mine != theirs:
+            raise ValueError(
+                f"{op}: mixed TurboQuant configurations (bits, key_bits, value_bits, seed) "
+                f"{mine} and {theirs} cannot share a batch"
+            )
+        for name in ("key_codec", "value_codec"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a is not None and b is not None and a.dim != b.dim:
+                raise ValueError(f"{op}: head_dim {a.dim} and {b.dim} cannot share a batch")
+        if self.keys is not None and other.keys is not None:
+            h1, h2 = _packed.heads(self.keys), _packed.heads(_unwrap(other.keys))
+            if h1 != h2:
+                raise ValueError(f"{op}: {h1} and {h2} KV heads cannot share a batch")
+
+    def extend(self, other: "BatchTurboQuantKVCache"):
+        """Append the rows of ``other``, right-aligning both on the larger written end."""
+        if not isinstance(other, BatchTurboQuantKVCache):
+            raise TypeError(
+                f"extend expects a BatchTurboQuantKVCache, got {type(other).__module__}."
+                f"{type(other).__name__}"
+            )
+        self._check_same_config(other, "extend")
+
+        end = max(self._end, other._end)
+        ref = self.keys if self.keys is not None else other.keys
+        ref_v = self.values if self.values is not None else other.values
+        parts_k, parts_v, paddings, offsets, pending = [], [], [], [], []
+        for side in (self, other):
+            shift = end - side._end
+            if ref is not None:
+                if side.keys is None:
+                    k = _packed.zeros_like(ref, side.batch_size, end)
+                    v = _packed.zeros_like(ref_v, side.batch_size, end)
+                else:
+                    k, v = side._written()
+                    k, v = _packed.pad_left(k, shift), _packed.pad_left(v, shift)
+                parts_k.append(k)
+                parts_v.append(v)
+            paddings.append(side.left_padding + shift)
+            offsets.append(side.offset)
+            pending.append(
+                side._right_padding
+                if side._right_padding is not None
+                else mx.zeros((side.batch_size,), dtype=mx.int32)
+            )
+        any_pending = self._right_padding is not None or other._right_padding is not None
+
+        if ref is not None:
+            self.keys = _packed.concat_rows(parts_k)
+            self.values = _packed.concat_rows(parts_v)
+        self.left_padding = mx.concatenate(paddings)
+        self.offset = mx.concatenate(offsets)
+        self._right_padding = mx.concatenate(pending) if any_pending else None
+        self._end = end
+        if self.key_codec is None:
+            self.key_codec, self.value_codec = other.key_codec, other.value_codec
+        self._invalidate()
+
+    def extract(self, idx: int) -> TurboQuantKVCache:
+        """Row ``idx`` as a single-request ``TurboQuantKVCache`` (its tokens only)."""
+        if isinstance(idx, bool) or not isinstance(idx, Integral):
+            raise TypeError(f"extract index must be an int, got {type(idx).__name__}")
+        B = self.batch_size
+        if not 0 <= idx < B:
+            raise IndexError(f"extract index {idx} out of range for a batch of {B} rows")
+        single = TurboQuantKVCache(
+            bits=self.bits, seed=self.seed, key_bits=self.key_bits, value_bits=self.value_bits
+        )
+        single.key_codec, single.value_codec = self.key_codec, self.value_codec
+        start = int(self.left_padding[idx].item())
+        stop = self._end
+        if self._right_padding is not None:
+            stop -= int(self._right_padding[idx].item())
+        if self.keys is None or stop <= start:
+            return single
+        row = mx.array([idx], dtype=mx.int32)
+        cut = lambda s: _packed.detach(  # noqa: E731
+            _packed.token_range(_packed.select_rows(s, row), start, stop)
+        )
+        single.keys, single.values = cut(self.keys), cut(self.values)
+        mx.eval(single.keys, single.values)
+        single.offset = stop - start
+        return single
+
+    @classmethod
+    def merge(cls, caches: Sequence[TurboQuantKVCache]) -> "BatchTurboQuantKVCache":
+        """Batch single-request caches, left-padding the shorter ones."""
+        caches = list(caches)
+        if not caches:
+            raise ValueError("merge needs at least one cache")
+        for c in caches:
+            if not isinstance(c, TurboQuantKVCache) or isinstance(c, BatchTurboQuantKVCache):
+                raise TypeError(
+                    "merge expects single-request mlx_vlm TurboQuantKVCache members, got "
+                    f"{type(c).__module__}.{type(c).__name__}"
+                )
+        configs = {(c.bits, c.key_bits, c.value_bits, c.seed) for c in caches}
+        if len(configs) > 1:
+            raise ValueError(
+                "merge: mixed TurboQuant configurations (bits, key_bits, value_bits, seed) "
+                f"{sorted(configs)} cannot share a batch"
+            )
+        bits, key_bits, value_bits, seed = configs.pop()
+        lengths = [int(c.offset) if c.keys is not None else 0 for c in caches]
+        longest = max(lengths)
+        batch = cls(
+            [longest - n for n in lengths],
+            bits=bits,
+            seed=seed,
+            key_bits=key_bits,
+            value_bits=value_bits,
+        )
+        with_codecs = [c for c in caches if c.key_codec is not None]
+        for c in with_codecs:
+            batch._check_same_config(c, "merge")
+            if batch.key_codec is None:
+                batch.key_codec, batch.value_codec = c.key_codec, c.value_codec
+        if longest == 0:
+            return batch
+
+        filled = [(c, n) for c, n in zip(caches, lengths) if n > 0]
+        heads = {_packed.heads(_unwrap(c.keys)) for c, _ in filled}
+        if len(heads) > 1:
+            raise ValueError(f"merge: members have different KV head counts {sorted(heads)}")
+        ref_k = _unwrap(filled[0][0].keys)
+        ref_v = _unwrap(filled[0][0].values)
+        rows_k, rows_v = [], []
+        for c, n in zip(caches, lengths):
+            if n == 0:
+                rows_k.append(_packed.zeros_like(ref_k, 1, longest))
+                rows_v.append(_packed.zeros_like(ref_v, 1, longest))
+                continue
+            k = _packed.token_range(_unwrap(c.keys), 0, n)
+            v = _packed.token_range(_unwrap(c.values), 0, n)
+            rows_k.append(_packed.pad_left(k, longest - n))
+            rows_v.append(_packed.pad_left(v, longest - n))
+        batch.keys = _packed.concat_rows(rows_k)
+        batch.values = _packed.concat_rows(rows_v)
+        batch._end = longest
+        batch.offset = batch.offset + longest
+        mx.eval(batch.keys, batch.values, batch.offset)
+        return batch
+
+    # ------------------------------------------------------------------ rollback
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` written slots of every row (speculative rollback)."""
+        if isinstance(n, bool) or not isinstance(n, Integral) or n < 0:
+            raise ValueError(f"trim needs a non-negative int, got {n!r}")
+        if self._right_padding is not None:
+            raise ValueError("trim: right padding is pending; call finalize() first")
+        n = min(int(n), self._end)
+        self._end -= n
+        self.offset = self.offset - n
+        self._invalidate()
+        return n
+
+    # ------------------------------------------------------------------ read-out
+
+    def dequantize(self, keys_state=None, values_state=None):
+        """Float32 (keys, values) of shape (B, H, size(), D), padding slots included."""
+        if keys_state is None or values_state is None:
+            if self.keys is None:
+                raise ValueError("dequantize: the cache is empty")
+            keys_state, values_state = self._written()
+        keys = self.key_codec.dequantize(_unwrap(keys_state)).astype(mx.float32)
+        values = self.value_codec.dequantize(_unwrap(values_state)).astype(mx.float32)
+        return keys, values
+
+    def dequantize_for_apc(self):
+        if self.keys is None or self._end == 0:
+            return None, None
+        return self.dequantize()
+
+    # ------------------------------------------------------------------ persistence
+
+    @property
+    def state(self):
+        """(keys, values, offset, left_padding): written slots only, as new arrays."""
+        if self.keys is None:
+            return None, None, mx.array(self.offset), mx.array(self.left_padding)
+        keys, values = self._written()
+        return keys, values, mx.array(self.offset), mx.array(self.left_padding)
+
+    @state.setter
+    def state(self, value):
+        if value is None or len(value) != 4:
+            raise ValueError(
+                "state must be (keys, values, offset, left_padding) as returned by .state"
+            )
+        keys, values, offset, left_padding = value
+        keys, values = _as_packed(keys), _as_packed(values)
+        offset = _int_list(offset, "state offset")
+        left_padding = _padding_list(left_padding, "state left_padding", length=len(offset))
+        if not offset:
+            raise ValueError("state has no rows")
+        if (keys is None) != (values is None):
+            raise ValueError("state must have both keys and values, or neither")
+        end = _packed.length(keys) if keys is not None else 0
+        if keys is not None:
+            for name, s in (("keys", keys), ("values", values)):
+                if _packed.rows(s) != len(offset):
+                    raise ValueError(
+                        f"state {name} have {_packed.rows(s)} rows, offset has {len(offset)}"
+                    )
+        drift = [o for o, lp in zip(offset, left_padding) if o != end - lp]
+        if drift:
+            raise ValueError(
+                f"state offset {offset} is inconsistent with left_padding {left_padding} "
+                f"and written end {end} (offset must equal end - left_padding)"
+            )
+        self.keys = _packed.detach(keys) if keys is not None else None
+        self.values = _packed.detach(values) if values is not None else None
+        self.offset = mx.array(offset, dtype=mx.int32)
+        self.left_padding = mx.array(left_padding, dtype=mx.int32)
+        self._end = end
+        self._right_padding = None
+        if not hasattr(self, "key_codec"):  # created by from_state without __init__
+            self.key_codec = self.value_codec = None
+        self._invalidate()
+
+    @property
+    def meta_state(self):
+        """Strings: written end, bits, seed, key/value bits, key/value head_dim, pending right padding."""
+        dims = [c.dim if c is not None else 0 for c in (self.key_codec, self.value_codec)]
+        pending = (
+            ",".join(str(p) for p in self._right_padding.tolist())
+            if self._right_padding is not None
+            else ""
+        )
+        return tuple(
+            map(str, (self._end, self.bits, self.seed, self.key_bits, self.value_bits, *dims))
+        ) + (pending,)
+
+    @meta_state.setter
+    def meta_state(self, value):
+        if len(value) != 8:
+            raise ValueError(
+                f"meta_state must have 8 fields as returned by .meta_state, got {len(value)}"
+            )
+        end, bits, seed, key_bits, value_bits, key_dim, value_dim, pending = value
+        end, seed, key_dim, value_dim = int(end), int(seed), int(key_dim), int(value_dim)
+        keys = getattr(self, "keys", None)
+        written = _packed.length(keys) if keys is not None else 0
+        if end != written:
+            raise ValueError(
+                f"meta_state written end {end} does not match the state's {written} slots"
+            )
+        right = _padding_list([int(p) for p in pending.split(",")], "right_padding") if pending else None
+        if right is not None and len(right) != self.batch_size:
+            raise ValueError(f"meta_state right padding {right} does not match {self.batch_size} rows")
+        # Validate the configuration on a scratch instance before touching self.
+        probe = TurboQuantKVCache(
+            bits=float(bits), seed=seed, key_bits=float(key_bits), value_bits=float(value_bits)
+        )
+        if keys is not None and (key_dim <= 0 or value_dim <= 0):
+            raise ValueError("meta_state lacks head_dim for a non-empty state")
+        if key_dim > 0 and value_dim > 0:
+            probe._ensure_codecs(mx.zeros((1, 1, 1, key_dim)), mx.zeros((1, 1, 1, value_dim)))
+        if keys is not None:
+            for name, codec, s in (
+                ("keys", probe.key_codec, keys),
+                ("values", probe.value_codec, self.values),
+            ):
+                width = (codec.dim * codec.bits + 31) // 32
+                if s.indices.shape[-1] != width:
+                    raise ValueError(
+                        f"meta_state head_dim {codec.dim} at {codec.bits} bits needs packed "
+                        f"width {width}; the state's {name} have {s.indices.shape[-1]}"
+                    )
+        self.bits, self.key_bits, self.value_bits = probe.bits, probe.key_bits, probe.value_bits
+        self.seed = seed
+        self._end = end
+        # Codecs are a pure function of (head_dim, bits, seed): rebuild them
+        # from the recorded head_dim, never guess it from the packed width.
+        self.key_codec, self.value_codec = probe.key_codec, probe.value_codec
+        self._right_padding = mx.array(right, dtype=mx.int32) if right is not None else None
+        self._invalidate()
+
+    @classmethod
+    def from_state(cls, state, meta_state) -> "BatchTurboQuantKVCache":
+        """Rebuild a cache, codecs included, from ``state`` and ``meta_state``."""
+        obj = cls.__new__(cls)
+        TurboQuantKVCache.__init__(obj, bits=float(meta_state[1]))
+        obj.state = state
+        obj.meta_state = meta_state
+        return obj
+
+    # Prefix-cache snapshots of the parent assume one int offset.
+    def prefix_cache_snapshot(self):
+        raise NotImplementedError("extract() rows and snapshot the single-request caches")
+
+    def prefix_cache_restore(self, snapshot):
+        raise NotImplementedError("restore single-request caches, then merge()")
