@@ -1,0 +1,56 @@
+"""Hypothesis settings profiles for the harness.
+
+Registered by the root ``conftest.py`` (and by the CLI); chosen with
+Hypothesis's own ``--hypothesis-profile NAME``. ``ci`` is registered under
+that exact name so that Hypothesis, which loads a profile called ``ci`` when
+``CI`` is set, picks ours instead of its built-in one.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, Phase, settings
+
+# Every example touches MLX: codec tables take ~1 s to build on first use and
+# CPU attention is slow, so wall-clock deadlines would only report noise.
+_COMMON = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+
+PROFILES = {
+    # Fast feedback at a desk; failures are remembered in the local database.
+    "dev": settings(max_examples=15, stateful_step_count=12, **_COMMON),
+    # Deterministic and database-free, sized to keep `.ci/run` well inside
+    # 90 minutes on 2 cores.
+    "ci": settings(
+        max_examples=25,
+        stateful_step_count=15,
+        derandomize=True,
+        database=None,
+        **_COMMON,
+    ),
+    # Long random campaigns; keeps found failures in the database.
+    "nightly": settings(max_examples=2000, stateful_step_count=40, **_COMMON),
+    # Suite-strength self-test: few examples, reproducible, no shrinking
+    # needed (a mutant only has to be caught, not minimised).
+    "mutation": settings(
+        max_examples=30,
+        stateful_step_count=15,
+        derandomize=True,
+        database=None,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+        **_COMMON,
+    ),
+}
+
+
+def register_profiles() -> None:
+    for name, profile in PROFILES.items():
+        settings.register_profile(name, profile)
+
+
+def default_profile() -> str:
+    return "ci" if os.environ.get("CI") else "dev"
