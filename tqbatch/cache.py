@@ -17,8 +17,8 @@ request alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from numbers import Integral
-from typing import Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -33,7 +33,7 @@ from tqbatch import _packed
 __all__ = ["BatchTurboQuantKVCache"]
 
 
-def _int_list(values, name: str, *, length: Optional[int] = None) -> list[int]:
+def _int_list(values, name: str, *, length: int | None = None) -> list[int]:
     """``values`` as a list of Python ints, or a ValueError/TypeError naming ``name``."""
     if isinstance(values, mx.array):
         values = values.tolist()
@@ -51,7 +51,7 @@ def _int_list(values, name: str, *, length: Optional[int] = None) -> list[int]:
     return out
 
 
-def _padding_list(values, name: str, *, length: Optional[int] = None) -> list[int]:
+def _padding_list(values, name: str, *, length: int | None = None) -> list[int]:
     out = _int_list(values, name, length=length)
     negative = [v for v in out if v < 0]
     if negative:
@@ -99,8 +99,8 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         bits: float = 4.0,
         seed: int = 0,
         *,
-        key_bits: Optional[float] = None,
-        value_bits: Optional[float] = None,
+        key_bits: float | None = None,
+        value_bits: float | None = None,
     ):
         padding = _padding_list(left_padding, "left_padding")
         if not padding:
@@ -118,7 +118,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         self.left_padding = mx.array(padding, dtype=mx.int32)
         self.offset = -self.left_padding
         self._end = 0  # written physical end; never named `_idx` (mlx-vlm rollback keys on it)
-        self._right_padding: Optional[mx.array] = None
+        self._right_padding: mx.array | None = None
 
     # ------------------------------------------------------------------ basics
 
@@ -166,9 +166,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
                 f"keys and values must be (B, H, T, D); got {keys.shape} and {values.shape}"
             )
         if keys.shape[:3] != values.shape[:3]:
-            raise ValueError(
-                f"keys {keys.shape} and values {values.shape} disagree on (B, H, T)"
-            )
+            raise ValueError(f"keys {keys.shape} and values {values.shape} disagree on (B, H, T)")
         B, H, T, _ = keys.shape
         if B != self.batch_size:
             raise ValueError(f"keys have {B} rows, the cache has {self.batch_size}")
@@ -219,7 +217,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         self,
         N: int,
         return_array: bool = False,
-        window_size: Optional[int] = None,
+        window_size: int | None = None,
         **kwargs,
     ):
         """The (B, 1, N, size() + N) boolean mask for the next ``N`` queries, as BatchKVCache."""
@@ -300,7 +298,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         self._end -= shift
         self._invalidate()
 
-    def _check_same_config(self, other: "TurboQuantKVCache", op: str):
+    def _check_same_config(self, other: TurboQuantKVCache, op: str):
         mine = self.config
         theirs = (other.bits, other.key_bits, other.value_bits, other.seed)
         if mine != theirs:
@@ -317,7 +315,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             if h1 != h2:
                 raise ValueError(f"{op}: {h1} and {h2} KV heads cannot share a batch")
 
-    def extend(self, other: "BatchTurboQuantKVCache"):
+    def extend(self, other: BatchTurboQuantKVCache):
         """Append the rows of ``other``, right-aligning both on the larger written end."""
         if not isinstance(other, BatchTurboQuantKVCache):
             raise TypeError(
@@ -388,7 +386,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         return single
 
     @classmethod
-    def merge(cls, caches: Sequence[TurboQuantKVCache]) -> "BatchTurboQuantKVCache":
+    def merge(cls, caches: Sequence[TurboQuantKVCache]) -> BatchTurboQuantKVCache:
         """Batch single-request caches, left-padding the shorter ones."""
         caches = list(caches)
         if not caches:
@@ -526,7 +524,12 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
 
     @property
     def meta_state(self):
-        """Strings: written end, bits, seed, key/value bits, key/value head_dim, pending right padding."""
+        """Strings: written end, bits, seed, key/value bits, key/value head_dim, right padding.
+
+        The head dims let a restore rebuild the codecs exactly; the pending
+        right padding (comma-separated, empty if none) keeps a prefill that
+        was saved between ``prepare`` and ``finalize`` whole.
+        """
         dims = [c.dim if c is not None else 0 for c in (self.key_codec, self.value_codec)]
         pending = (
             ",".join(str(p) for p in self._right_padding.tolist())
@@ -551,9 +554,15 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             raise ValueError(
                 f"meta_state written end {end} does not match the state's {written} slots"
             )
-        right = _padding_list([int(p) for p in pending.split(",")], "right_padding") if pending else None
+        right = (
+            _padding_list([int(p) for p in pending.split(",")], "right_padding")
+            if pending
+            else None
+        )
         if right is not None and len(right) != self.batch_size:
-            raise ValueError(f"meta_state right padding {right} does not match {self.batch_size} rows")
+            raise ValueError(
+                f"meta_state right padding {right} does not match {self.batch_size} rows"
+            )
         # Validate the configuration on a scratch instance before touching self.
         probe = TurboQuantKVCache(
             bits=float(bits), seed=seed, key_bits=float(key_bits), value_bits=float(value_bits)
@@ -583,7 +592,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         self._invalidate()
 
     @classmethod
-    def from_state(cls, state, meta_state) -> "BatchTurboQuantKVCache":
+    def from_state(cls, state, meta_state) -> BatchTurboQuantKVCache:
         """Rebuild a cache, codecs included, from ``state`` and ``meta_state``."""
         obj = cls.__new__(cls)
         TurboQuantKVCache.__init__(obj, bits=float(meta_state[1]))
