@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -82,7 +82,7 @@ class Request:
     values: np.ndarray
 
     @classmethod
-    def empty(cls, heads: int = H, dim: int = D) -> "Request":
+    def empty(cls, heads: int = H, dim: int = D) -> Request:
         z = np.zeros((heads, 0, dim), dtype=np.float32)
         return cls(z, z.copy())
 
@@ -118,7 +118,7 @@ class Lockstep:
     dim: int = D
     bits_kw: dict = field(default_factory=dict)
     # right padding declared by prepare() and not yet finalized, per row
-    pending_right: Optional[list[int]] = None
+    pending_right: list[int] | None = None
 
     # ------------------------------------------------------------ construction
 
@@ -133,7 +133,7 @@ class Lockstep:
         heads: int = H,
         dim: int = D,
         **bits_kw,
-    ) -> "Lockstep":
+    ) -> Lockstep:
         """Merge single-request caches prefilled with ``lengths[i]`` tokens (0 = empty)."""
         singles, denses, requests = [], [], []
         for n in lengths:
@@ -150,9 +150,7 @@ class Lockstep:
             denses.append(dense)
             requests.append(req)
         tq = BatchTurboQuantKVCache.merge(singles)
-        return cls(
-            tq, BatchKVCache.merge(denses), requests, bits, seed, heads, dim, dict(bits_kw)
-        )
+        return cls(tq, BatchKVCache.merge(denses), requests, bits, seed, heads, dim, dict(bits_kw))
 
     @classmethod
     def new(
@@ -164,7 +162,7 @@ class Lockstep:
         heads: int = H,
         dim: int = D,
         **bits_kw,
-    ) -> "Lockstep":
+    ) -> Lockstep:
         tq = BatchTurboQuantKVCache(list(left_padding), bits=bits, seed=seed, **bits_kw)
         requests = [Request.empty(heads, dim) for _ in left_padding]
         return cls(
@@ -184,7 +182,7 @@ class Lockstep:
             self.pending_right = list(right_padding)
 
     def _chunk(self, rng, tokens: int, poison_rng=None):
-        """K/V for the next ``tokens`` slots, padding positions poisoned, and each row's real part."""
+        """K/V for the next ``tokens`` slots (padding poisoned) and each row's real range."""
         B, n_heads, dim = self.batch, self.heads, self.dim
         keys = np.array(normal(rng, (B, n_heads, tokens, dim)))
         values = np.array(normal(rng, (B, n_heads, tokens, dim)))
@@ -222,7 +220,7 @@ class Lockstep:
         self,
         rng: np.random.Generator,
         queries: int = 1,
-        q_heads: Optional[int] = None,
+        q_heads: int | None = None,
         poison_rng=None,
     ) -> list[tuple[mx.array, mx.array]]:
         """Write ``queries`` new slots and attend ``queries`` queries over the cache.
@@ -273,7 +271,7 @@ class Lockstep:
         if self.pending_right is not None:
             self.pending_right = [self.pending_right[i] for i in indices]
 
-    def extend(self, other: "Lockstep"):
+    def extend(self, other: Lockstep):
         self.tq.extend(other.tq)
         self.dense.extend(other.dense)
         self.requests = self.requests + other.requests
@@ -368,9 +366,7 @@ def observe(cache: BatchTurboQuantKVCache) -> dict:
         if part is None:
             packed.append(None)
             continue
-        packed.append(
-            [(str(a.dtype), tuple(a.shape), np.array(a).tobytes()) for a in leaves(part)]
-        )
+        packed.append([(str(a.dtype), tuple(a.shape), np.array(a).tobytes()) for a in leaves(part)])
     mask = cache.make_mask(2, return_array=True)
     return {
         "type": type(cache),

@@ -11,7 +11,6 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 from tqbatch import BatchTurboQuantKVCache
 
 from .support import (
-    DEQUANT_ATOL,
     Lockstep,
     Request,
     assert_attention_matches,
@@ -209,9 +208,7 @@ def test_right_padded_prefill_on_a_batch_with_history(rng):
 # ---------------------------------------------------------------- filter / extend / extract
 
 
-@pytest.mark.parametrize(
-    "indices", [[0], [2], [1, 2], [2, 0], [0, 1, 2], [2, 1, 0]], ids=str
-)
+@pytest.mark.parametrize("indices", [[0], [2], [1, 2], [2, 0], [0, 1, 2], [2, 1, 0]], ids=str)
 def test_filter(indices, rng):
     ls = Lockstep.merge([6, 2, 4], rng)
     ls.update(rng, 1)
@@ -222,7 +219,8 @@ def test_filter(indices, rng):
 
 
 @pytest.mark.parametrize(
-    "left,right", [([5, 2], [3]), ([2], [6, 1]), ([4], [4]), ([0, 3], [2]), ([3], [0, 0]), ([0], [0])],
+    "left,right",
+    [([5, 2], [3]), ([2], [6, 1]), ([4], [4]), ([0, 3], [2]), ([3], [0, 0]), ([0], [0])],
     ids=str,
 )
 def test_extend(left, right, rng):
@@ -315,7 +313,7 @@ def test_is_trimmable():
     assert BatchTurboQuantKVCache([0, 0]).is_trimmable() is True
 
 
-# ---------------------------------------------------------------- size / empty / nbytes / dequantize
+# ------------------------------------------------------- size / empty / nbytes / dequantize
 
 
 def test_size_empty_nbytes_dequantize(rng):
