@@ -1,0 +1,371 @@
+"""A server-like continuous-batching greedy decoder over TurboQuant layer caches.
+
+``ContinuousBatcher`` drives a language model the way a batching server does:
+requests join a running batch (left-padded prefill, right-padded prefill then
+``finalize``, or prefilled alone and ``merge``-d), decode together, leave when
+they reach their token budget (``extract`` then ``filter``) and can be rolled
+back after a speculative verify block (``trim``). Every layer holds a
+``tqbatch.BatchTurboQuantKVCache`` except the ``dense_layers``, which hold a
+full-precision mlx-lm ``BatchKVCache`` (omlx keeps the last layer dense).
+
+The model builds one attention mask per forward from the first layer's cache
+and hands it to every layer; ``MaskWidthProbe`` wraps the layers to check that
+each layer's cache agrees with that mask's width, so a dense layer and a
+TurboQuant layer can never silently drift apart (omlx #2237).
+
+The model must be an mlx-lm style module: ``model(tokens, cache=list)`` returns
+logits ``(B, T, vocab)`` and ``model.layers`` is the list of blocks, called as
+``block(x, mask, cache)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_vlm.turboquant import TurboQuantKVCache
+
+from tqbatch.cache import BatchTurboQuantKVCache
+
+__all__ = [
+    "ContinuousBatcher",
+    "FinishedRequest",
+    "MaskGeometryError",
+    "MaskWidthProbe",
+    "Request",
+    "cache_key_length",
+]
+
+
+class MaskGeometryError(RuntimeError):
+    """A layer's cache disagrees with the mask shared by all layers of a forward."""
+
+
+@dataclass
+class Request:
+    """One generation request and everything decoded for it so far.
+
+    ``logits[j]`` is the (vocab,) float32 row that produced ``tokens[j]``
+    (greedy: ``tokens[j] == argmax(logits[j])``). The last token is *pending*:
+    generated but not yet fed to the model.
+    """
+
+    uid: str
+    prompt: list[int]
+    max_new_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    logits: list[mx.array] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise ValueError(f"request {self.uid!r} has an empty prompt")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"request {self.uid!r}: max_new_tokens must be >= 1")
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.max_new_tokens
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.tokens)
+
+    def record(self, logits: mx.array):
+        """Append one greedy step from a (vocab,) logits row."""
+        self.logits.append(logits)
+        self.tokens.append(int(mx.argmax(logits).item()))
+
+
+@dataclass
+class FinishedRequest:
+    """A request that left the batch, with its per-layer single-request caches.
+
+    The caches hold the prompt and every generated token except the pending
+    last one, exactly as a server would keep them for a prefix cache.
+    """
+
+    request: Request
+    caches: list
+
+
+def cache_key_length(cache) -> int:
+    """Number of key slots ``cache`` hands to attention (padding included).
+
+    Batch caches (anything with ``left_padding``) report it as ``size()``, the
+    written end; single-request caches hold exactly ``offset`` slots.
+    """
+    if hasattr(cache, "left_padding"):
+        return int(cache.size())
+    return int(cache.offset)
+
+
+class _ProbedLayer(nn.Module):
+    """Calls the wrapped block, then reports (mask, cache) to the probe."""
+
+    def __init__(self, block: nn.Module, index: int, probe: MaskWidthProbe):
+        super().__init__()
+        self.block = block
+        self._index = index
+        self._probe = probe
+
+    def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+        out = self.block(x, mask, cache, *args, **kwargs)
+        self._probe.observe(self._index, mask, cache)
+        return out
+
+
+class MaskWidthProbe:
+    """Checks, layer by layer, that the shared mask fits every layer's cache.
+
+    After a layer has written its new keys, an array mask must be exactly as
+    wide as the keys the cache returned, and every layer of one forward must
+    receive the very mask object built for layer 0.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.checks = 0  # (layer, forward) pairs whose array mask was checked
+        self._first_mask = None
+        layers = model.layers
+        for i, block in enumerate(layers):
+            if isinstance(block, _ProbedLayer):
+                raise ValueError("this model already carries a MaskWidthProbe")
+            layers[i] = _ProbedLayer(block, i, self)
+
+    def observe(self, index: int, mask, cache):
+        if index == 0:
+            self._first_mask = mask
+        elif mask is not self._first_mask:
+            raise MaskGeometryError(
+                f"layer {index} received a different mask object than layer 0: "
+                "the mask must be built once per forward and shared"
+            )
+        if cache is None or not isinstance(mask, mx.array):
+            return  # "causal" / None masks carry no width to disagree on
+        width, keys = mask.shape[-1], cache_key_length(cache)
+        if width != keys:
+            raise MaskGeometryError(
+                f"layer {index} ({type(cache).__name__}): mask has {width} columns, "
+                f"the cache holds {keys} key slots"
+            )
+        self.checks += 1
+
+    def remove(self):
+        """Put the original blocks back."""
+        layers = self.model.layers
+        for i, block in enumerate(layers):
+            if isinstance(block, _ProbedLayer) and block._probe is self:
+                layers[i] = block.block
+
+
+DraftProposer = Callable[[Request, int], Sequence[int]]
+
+
+class ContinuousBatcher:
+    """Continuous batched greedy decoding with one cache per layer.
+
+    Args:
+        model: mlx-lm style language model (see the module docstring).
+        bits, seed: TurboQuant configuration of every quantized layer.
+        dense_layers: indices of layers kept in full precision; default the last.
+        probe: check mask width against every layer's cache on each forward.
+        batch_cache_class: the quantized batch cache under test (default
+            tqbatch's; the harness passes ``load_impl()`` or a mutant).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        bits: float = 4.0,
+        seed: int = 0,
+        dense_layers: Sequence[int] | None = None,
+        probe: bool = True,
+        batch_cache_class: type = BatchTurboQuantKVCache,
+    ):
+        n_layers = len(model.layers)
+        dense = {n_layers - 1} if dense_layers is None else set(dense_layers)
+        bad = sorted(i for i in dense if not 0 <= i < n_layers)
+        if bad:
+            raise ValueError(f"dense_layers {bad} out of range for {n_layers} layers")
+        self.model = model
+        self.bits = bits
+        self.seed = seed
+        self.dense_layers = frozenset(dense)
+        self.batch_cache_class = batch_cache_class
+        self.n_layers = n_layers
+        self.probe = MaskWidthProbe(model) if probe else None
+        self.active: list[Request] = []
+        self.caches: list | None = None
+        self.finished: dict[str, FinishedRequest] = {}
+        self.forwards = 0
+        self.trimmed = 0  # slots rolled back by speculative verification
+
+    # ------------------------------------------------------------------ caches
+
+    def single_caches(self) -> list:
+        """Fresh single-request caches, one per layer."""
+        return [
+            KVCache()
+            if i in self.dense_layers
+            else TurboQuantKVCache(bits=self.bits, seed=self.seed)
+            for i in range(self.n_layers)
+        ]
+
+    def batch_caches(self, left_padding: Sequence[int]) -> list:
+        """Fresh, empty batch caches with the given left padding, one per layer."""
+        return [
+            BatchKVCache(list(left_padding))
+            if i in self.dense_layers
+            else self.batch_cache_class(list(left_padding), bits=self.bits, seed=self.seed)
+            for i in range(self.n_layers)
+        ]
+
+    def _forward(self, tokens: mx.array, caches: list) -> mx.array:
+        logits = self.model(tokens, cache=caches)
+        logits = logits.astype(mx.float32)
+        mx.eval(logits)
+        self.forwards += 1
+        return logits
+
+    # ------------------------------------------------------------------ admission
+
+    def admit_left_padded(self, requests: Sequence[Request]):
+        """Prefill ``requests`` as one left-padded batch, then join the running batch."""
+        requests = list(requests)
+        longest = max(len(r.prompt) for r in requests)
+        padding = [longest - len(r.prompt) for r in requests]
+        caches = self.batch_caches(padding)
+        tokens = mx.array([[0] * p + r.prompt for p, r in zip(padding, requests)])
+        logits = self._forward(tokens, caches)
+        for row, r in enumerate(requests):
+            r.record(logits[row, -1])
+        self._join(requests, caches)
+
+    def admit_right_padded(self, requests: Sequence[Request]):
+        """Prefill right-padded (``prepare(right_padding=...)`` + ``finalize``), then join."""
+        requests = list(requests)
+        lengths = [len(r.prompt) for r in requests]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        caches = self.batch_caches([0] * len(requests))
+        for c in caches:
+            c.prepare(lengths=lengths, right_padding=padding)
+        tokens = mx.array([r.prompt + [0] * p for p, r in zip(padding, requests)])
+        logits = self._forward(tokens, caches)
+        for c in caches:
+            c.finalize()
+        for row, (r, n) in enumerate(zip(requests, lengths)):
+            r.record(logits[row, n - 1])  # the last real token, not the padding
+        self._join(requests, caches)
+
+    def admit_merged(self, requests: Sequence[Request]):
+        """Prefill each request alone in single-request caches, ``merge`` them, then join."""
+        requests = list(requests)
+        singles = []
+        for r in requests:
+            caches = self.single_caches()
+            logits = self._forward(mx.array([r.prompt]), caches)
+            r.record(logits[0, -1])
+            singles.append(caches)
+        merged = [
+            (BatchKVCache if i in self.dense_layers else self.batch_cache_class).merge(
+                [caches[i] for caches in singles]
+            )
+            for i in range(self.n_layers)
+        ]
+        self._join(requests, merged)
+
+    def _join(self, requests: list[Request], caches: list):
+        if self.caches is None:
+            self.caches = caches
+        else:
+            for mine, theirs in zip(self.caches, caches):
+                mine.extend(theirs)
+        self.active.extend(requests)
+        self._retire()
+
+    # ------------------------------------------------------------------ decoding
+
+    def step(self):
+        """Feed every active request its pending token and decode one more."""
+        if not self.active:
+            raise RuntimeError("step: no active requests")
+        pending = mx.array([[r.tokens[-1]] for r in self.active])
+        logits = self._forward(pending, self.caches)
+        for row, r in enumerate(self.active):
+            r.record(logits[row, -1])
+        self._retire()
+
+    def verify(self, propose: DraftProposer, block: int) -> int:
+        """One speculative step: verify ``block - 1`` drafted tokens per row at once.
+
+        Feeds ``[pending, d_1, ..., d_{block-1}]`` to every row, accepts the
+        longest draft prefix that *every* row's greedy prediction confirms
+        (one ``trim`` serves the whole batch), rolls the rest back with
+        ``trim`` and records the accepted steps. Returns the number of drafts
+        accepted. Acceptance is capped so no request exceeds its budget.
+        """
+        if not self.active:
+            raise RuntimeError("verify: no active requests")
+        if block < 2:
+            raise ValueError(f"verify needs a block of at least 2 tokens, got {block}")
+        drafts = []
+        for r in self.active:
+            d = [int(t) for t in propose(r, block - 1)]
+            if len(d) != block - 1:
+                raise ValueError(f"proposer gave {len(d)} drafts for {r.uid!r}, wanted {block - 1}")
+            drafts.append(d)
+        inputs = mx.array([[r.tokens[-1]] + d for r, d in zip(self.active, drafts)])
+        logits = self._forward(inputs, self.caches)
+        predicted = mx.argmax(logits, axis=-1).tolist()  # (B, block)
+
+        accepted = block - 1
+        for row_pred, d in zip(predicted, drafts):
+            n = 0
+            while n < len(d) and row_pred[n] == d[n]:
+                n += 1
+            accepted = min(accepted, n)
+        # Recording accepted + 1 steps must stay within every budget.
+        accepted = max(0, min(accepted, min(r.remaining for r in self.active) - 1))
+
+        rollback = block - 1 - accepted
+        for c in self.caches:
+            if c.trim(rollback) != rollback:
+                raise RuntimeError(f"{type(c).__name__}.trim({rollback}) trimmed fewer slots")
+        self.trimmed += rollback
+        for row, r in enumerate(self.active):
+            for j in range(accepted + 1):
+                r.record(logits[row, j])
+        self._retire()
+        return accepted
+
+    # ------------------------------------------------------------------ leaving
+
+    def _retire(self):
+        """Move finished requests out of the batch: ``extract`` each, then one ``filter``."""
+        done = [i for i, r in enumerate(self.active) if r.done]
+        if not done:
+            return
+        for i in done:
+            r = self.active[i]
+            self.finished[r.uid] = FinishedRequest(r, [c.extract(i) for c in self.caches])
+        keep = [i for i, r in enumerate(self.active) if not r.done]
+        if keep:
+            for c in self.caches:
+                c.filter(keep)
+        else:
+            self.caches = None  # filter([]) is not a thing: the batch is gone
+        self.active = [self.active[i] for i in keep]
+
+    def run_until_idle(self, max_forwards: int = 10_000):
+        """Decode until every active request has finished."""
+        while self.active:
+            if self.forwards >= max_forwards:
+                raise RuntimeError(
+                    f"still {len(self.active)} requests after {max_forwards} forwards"
+                )
+            self.step()
