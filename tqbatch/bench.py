@@ -1,0 +1,577 @@
+"""Perf workloads: a batch TurboQuant cache beside mlx-lm's ``BatchKVCache``.
+
+One source of truth for what is measured, shared by ``tests/perf``
+(pytest-benchmark) and ``tqbatch bench`` (a plain timer, so the command works
+where the tests are not installed). A :class:`Workload` builds, for one
+geometry, an untimed ``setup`` and a timed ``run`` per op and side:
+
+* ``target``: the implementation under test (default
+  ``tqbatch.BatchTurboQuantKVCache``), fed single-request mlx-vlm
+  ``TurboQuantKVCache`` members;
+* ``baseline``: mlx-lm's ``BatchKVCache`` (float16), fed ``KVCache`` members
+  holding the same number of tokens per request.
+
+Every ``run`` ends in ``mx.eval`` of what the op produced, so lazy work is
+timed where it is caused. Ops mutate the cache, so ``setup`` builds a fresh
+one every round.
+
+The target's packed states are random bit patterns in the exact layout the
+codec produces (probed with a one-token quantization), not quantized data:
+quantizing 8 x 8 x 4096 vectors at 8 bits takes over a minute on CPU, and
+none of the measured ops depends on the packed values (moves copy bits; the
+decode step quantizes its new token for real and attends over every slot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_map
+from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_vlm.models.base import scaled_dot_product_attention
+from mlx_vlm.turboquant import TurboQuantKVCache
+
+from tqbatch.testing.impl import load_impl
+
+OPS = ("merge", "extend", "filter", "extract", "prepare+finalize", "trim", "decode")
+SIDES = ("target", "baseline")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shape of one comparison: B rows, H KV heads, head dim D, context tokens, bits."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    context: int
+    bits: int
+
+    @property
+    def label(self) -> str:
+        return f"B{self.batch}-H{self.heads}-D{self.head_dim}-T{self.context}-{self.bits}bit"
+
+
+@dataclass(frozen=True)
+class ParameterSet:
+    """A grid of geometries: one batch/heads/head_dim, several contexts and bit widths."""
+
+    name: str
+    batch: int
+    heads: int
+    head_dim: int
+    contexts: tuple[int, ...]
+    bits: tuple[int, ...]
+    rounds: int
+
+    def geometries(self) -> list[Geometry]:
+        return [
+            Geometry(self.batch, self.heads, self.head_dim, context, bits)
+            for bits in self.bits
+            for context in self.contexts
+        ]
+
+
+# The issue's geometry. Rounds are few: one decode step at 4096 tokens costs
+# about 2 s on a 2-core CPU.
+FULL = ParameterSet("full", 8, 8, 128, (512, 4096), (4, 8), rounds=5)
+# The default test run: the issue's geometry at its short context and 4 bits only
+# (a few seconds on CPU; the full grid takes minutes).
+SMALL = ParameterSet("small", 8, 8, 128, (512,), (4,), rounds=3)
+
+PERF_ENV = "TQBATCH_PERF"
+
+
+def selected_parameter_set() -> ParameterSet:
+    """``FULL`` when ``$TQBATCH_PERF`` is ``full`` (the nox ``perf`` session), else ``SMALL``."""
+    return FULL if os.environ.get(PERF_ENV, "").lower() == "full" else SMALL
+
+
+@dataclass
+class Case:
+    """One measurable op: ``run(*setup())`` is timed, ``setup()`` is not."""
+
+    op: str
+    side: str
+    geometry: Geometry
+    setup: Callable[[], tuple]
+    run: Callable[..., object]
+
+    def pedantic_setup(self):
+        """``setup`` in the ``(args, kwargs)`` form ``benchmark.pedantic`` expects."""
+        return self.setup(), {}
+
+
+def eval_cache(cache) -> None:
+    """Evaluate every array a cache holds (packed states are trees; ``mx.eval`` walks them)."""
+    held = [getattr(cache, name, None) for name in ("keys", "values", "offset", "left_padding")]
+    mx.eval([x for x in held if isinstance(x, (mx.array, tuple, list))])
+
+
+def _detach(tree):
+    # MLX slice assignment rebinds the array object it writes to: a cache
+    # sharing leaf objects with the pool would write into the pool.
+    return tree_map(lambda a: mx.array(a), tree)
+
+
+def _rows_tokens(tree, row: int, stop: int):
+    return tree_map(lambda a: a[row : row + 1, :, :stop], tree)
+
+
+@dataclass
+class Workload:
+    """Inputs and cases for one geometry; pools are built once, caches per round."""
+
+    geometry: Geometry
+    impl: type = field(default_factory=load_impl)
+    seed: int = 0
+
+    # ------------------------------------------------------------ request shapes
+
+    @property
+    def lengths(self) -> list[int]:
+        """Request lengths from the full context down to about half of it (row 0 unpadded)."""
+        g = self.geometry
+        return [g.context - i * g.context // (2 * g.batch) for i in range(g.batch)]
+
+    @property
+    def right_padding(self) -> list[int]:
+        """Right padding for prepare + finalize: up to about half the context, row 0 none."""
+        g = self.geometry
+        return [i * g.context // (2 * g.batch) for i in range(g.batch)]
+
+    @property
+    def kept_rows(self) -> list[int]:
+        """Rows kept by the measured filter: the odd ones, so the unpadded row 0 leaves and
+        the survivors share dead columns that a compacting filter must drop."""
+        return list(range(1, self.geometry.batch, 2))
+
+    @property
+    def trimmed(self) -> int:
+        return max(1, self.geometry.context // 8)
+
+    # ------------------------------------------------------------ pools
+
+    @cached_property
+    def _rng(self) -> np.random.Generator:
+        return np.random.default_rng(self.seed)
+
+    def _normal(self, shape) -> mx.array:
+        return mx.array(self._rng.standard_normal(shape, dtype=np.float32)).astype(mx.float16)
+
+    @cached_property
+    def fp_pool(self) -> tuple[mx.array, mx.array]:
+        """Float16 keys and values, (B, H, context, D)."""
+        g = self.geometry
+        shape = (g.batch, g.heads, g.context, g.head_dim)
+        keys, values = self._normal(shape), self._normal(shape)
+        mx.eval(keys, values)
+        return keys, values
+
+    @cached_property
+    def codecs(self):
+        """(key_codec, value_codec) of a ``TurboQuantKVCache(bits, seed)`` at this head dim."""
+        probe = self._probe_cache
+        return probe.key_codec, probe.value_codec
+
+    @cached_property
+    def _probe_cache(self) -> TurboQuantKVCache:
+        g = self.geometry
+        probe = TurboQuantKVCache(bits=g.bits, seed=self.seed)
+        token = self._normal((1, g.heads, 1, g.head_dim))
+        probe.update_and_fetch(token, token)
+        mx.eval(probe.keys, probe.values)
+        return probe
+
+    def _random_like(self, state):
+        """A (B, H, context, ...) state with the probe's tree and dtypes, random content."""
+        g = self.geometry
+
+        def fill(leaf):
+            shape = (g.batch, g.heads, g.context, *leaf.shape[3:])
+            if leaf.dtype == mx.uint32:
+                return mx.array(self._rng.integers(0, 2**32, size=shape, dtype=np.uint32))
+            # Norms: positive, near a unit vector's scale times sqrt(D).
+            scale = math.sqrt(g.head_dim)
+            norms = self._rng.uniform(0.5 * scale, 1.5 * scale, size=shape)
+            return mx.array(norms.astype(np.float32)).astype(leaf.dtype)
+
+        return tree_map(fill, state)
+
+    @cached_property
+    def tq_pool(self):
+        """Packed (keys, values) states, (B, H, context, ...), in the codec's exact layout."""
+        probe = self._probe_cache
+        # The probe's capacity may exceed its one written slot: take that slot's layout.
+        keys = self._random_like(tree_map(lambda a: a[:, :, :1], probe.keys))
+        values = self._random_like(tree_map(lambda a: a[:, :, :1], probe.values))
+        mx.eval(keys, values)
+        return keys, values
+
+    @cached_property
+    def step_inputs(self) -> tuple[mx.array, mx.array, mx.array]:
+        """One decode step's (queries, keys, values), (B, H, 1, D) float16."""
+        g = self.geometry
+        shape = (g.batch, g.heads, 1, g.head_dim)
+        q, k, v = self._normal(shape), self._normal(shape), self._normal(shape)
+        mx.eval(q, k, v)
+        return q, k, v
+
+    # ------------------------------------------------------------ members
+
+    def tq_single(self, row: int, length: int) -> TurboQuantKVCache:
+        """Request ``row`` as a single ``TurboQuantKVCache`` holding ``length`` tokens."""
+        single = TurboQuantKVCache(bits=self.geometry.bits, seed=self.seed)
+        single.key_codec, single.value_codec = self.codecs
+        keys, values = self.tq_pool
+        single.keys = _detach(_rows_tokens(keys, row, length))
+        single.values = _detach(_rows_tokens(values, row, length))
+        single.offset = length
+        mx.eval(single.keys, single.values)
+        return single
+
+    def fp_single(self, row: int, length: int) -> KVCache:
+        single = KVCache()
+        keys, values = self.fp_pool
+        single.update_and_fetch(keys[row : row + 1, :, :length], values[row : row + 1, :, :length])
+        mx.eval(single.keys, single.values)
+        return single
+
+    def singles(self, side: str, lengths: Sequence[int] | None = None, rows=None) -> list:
+        lengths = self.lengths if lengths is None else lengths
+        rows = range(len(lengths)) if rows is None else rows
+        make = self.tq_single if side == "target" else self.fp_single
+        return [make(r, lengths[r]) for r in rows]
+
+    def batch_class(self, side: str) -> type:
+        return self.impl if side == "target" else BatchKVCache
+
+    def merged(self, side: str, lengths: Sequence[int] | None = None, rows=None):
+        cache = self.batch_class(side).merge(self.singles(side, lengths, rows))
+        eval_cache(cache)
+        return cache
+
+    # ------------------------------------------------------------ cases
+
+    def case(self, op: str, side: str) -> Case:
+        """The measurable ``op`` on ``side`` ("target" or "baseline")."""
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+        try:
+            build = getattr(self, "_case_" + op.replace("+", "_"))
+        except AttributeError:
+            raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}") from None
+        setup, run = build(side)
+        return Case(op, side, self.geometry, setup, run)
+
+    def _case_merge(self, side):
+        cls = self.batch_class(side)
+
+        def run(members):
+            eval_cache(cls.merge(members))
+
+        return (lambda: (self.singles(side),)), run
+
+    def _case_extend(self, side):
+        half = self.geometry.batch // 2
+        rows = range(self.geometry.batch)
+
+        def setup():
+            # The first half holds the longer requests: the second is padded on extend.
+            return self.merged(side, rows=rows[:half]), self.merged(side, rows=rows[half:])
+
+        def run(cache, other):
+            cache.extend(other)
+            eval_cache(cache)
+
+        return setup, run
+
+    def _case_filter(self, side):
+        def run(cache):
+            cache.filter(self.kept_rows)
+            eval_cache(cache)
+
+        return (lambda: (self.merged(side),)), run
+
+    def _case_extract(self, side):
+        last = self.geometry.batch - 1
+
+        def run(cache):
+            eval_cache(cache.extract(last))
+
+        return (lambda: (self.merged(side),)), run
+
+    def _case_prepare_finalize(self, side):
+        full = [self.geometry.context] * self.geometry.batch
+
+        def run(cache):
+            # As after a right-padded prefill: declare the padding, roll it left.
+            cache.prepare(right_padding=self.right_padding)
+            cache.finalize()
+            eval_cache(cache)
+
+        return (lambda: (self.merged(side, lengths=full),)), run
+
+    def _case_trim(self, side):
+        def run(cache):
+            cache.trim(self.trimmed)
+            eval_cache(cache)
+
+        return (lambda: (self.merged(side),)), run
+
+    def _case_decode(self, side):
+        scale = self.geometry.head_dim**-0.5
+
+        def run(cache, queries, keys, values):
+            # Model order: the mask for the new query is made before the write.
+            mask = cache.make_mask(1, return_array=True)
+            k, v = cache.update_and_fetch(keys, values)
+            out = scaled_dot_product_attention(queries, k, v, cache, scale=scale, mask=mask)
+            mx.eval(out)
+            eval_cache(cache)
+
+        return (lambda: (self.merged(side), *self.step_inputs)), run
+
+    # ------------------------------------------------------------ batching overhead
+
+    def overhead_cases(self) -> tuple[Case, Case]:
+        """A decode step on row 0 alone: the target at B=1 vs the parent class's own work.
+
+        The parent (mlx-vlm's ``TurboQuantKVCache``) gets the model's usual
+        single-request call, ``mask=None``; the target does what a batch must
+        (mask, then write, then attend), on bit-identical packed data.
+        """
+        length = self.geometry.context
+        scale = self.geometry.head_dim**-0.5
+        q, k, v = (a[:1] for a in self.step_inputs)
+
+        def target_setup():
+            cache = self.impl.merge([self.tq_single(0, length)])
+            eval_cache(cache)
+            return cache, q, k, v
+
+        def target_run(cache, queries, keys, values):
+            mask = cache.make_mask(1, return_array=True)
+            ks, vs = cache.update_and_fetch(keys, values)
+            out = scaled_dot_product_attention(queries, ks, vs, cache, scale=scale, mask=mask)
+            mx.eval(out)
+            eval_cache(cache)
+
+        def parent_run(cache, queries, keys, values):
+            ks, vs = cache.update_and_fetch(keys, values)
+            out = scaled_dot_product_attention(queries, ks, vs, cache, scale=scale, mask=None)
+            mx.eval(out)
+            eval_cache(cache)
+
+        parent_setup = lambda: (self.tq_single(0, length), q, k, v)  # noqa: E731
+        one_row = dataclasses.replace(self.geometry, batch=1)
+        return (
+            Case("decode-overhead", "target", one_row, target_setup, target_run),
+            Case("decode-overhead", "parent", one_row, parent_setup, parent_run),
+        )
+
+
+# ---------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per token slot (all rows, heads, keys and values) of one geometry."""
+
+    geometry: Geometry
+    target: float
+    float16: float
+    minimum: float
+
+    @property
+    def vs_float16(self) -> float:
+        return self.target / self.float16
+
+    @property
+    def vs_minimum(self) -> float:
+        return self.target / self.minimum
+
+
+def minimum_bytes_per_slot(geometry: Geometry) -> float:
+    """Theoretical floor per token slot of one row: bits x D / 8 per head and side, plus a
+    float16 norm each."""
+    per_side = geometry.heads * (geometry.bits * geometry.head_dim / 8 + 2)
+    return 2 * per_side
+
+
+def float16_bytes_per_slot(geometry: Geometry) -> float:
+    return 2 * geometry.heads * geometry.head_dim * 2
+
+
+def memory_report(cache, geometry: Geometry) -> MemoryReport:
+    """``cache.nbytes`` per (row x written slot) beside float16 and the theoretical floor."""
+    slots = cache.size() * len(cache.offset.tolist())
+    return MemoryReport(
+        geometry,
+        target=cache.nbytes / slots,
+        float16=float16_bytes_per_slot(geometry),
+        minimum=minimum_bytes_per_slot(geometry),
+    )
+
+
+# ---------------------------------------------------------------- plain timing
+
+
+def time_case(case: Case, rounds: int) -> float:
+    """Median wall-clock seconds of ``case.run`` over ``rounds`` fresh setups."""
+    samples = []
+    for _ in range(rounds):
+        args = case.setup()
+        start = time.perf_counter()
+        case.run(*args)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the comparison: target and reference seconds for an op and geometry."""
+
+    op: str
+    geometry: Geometry
+    target: float
+    reference: float
+    reference_name: str
+
+    @property
+    def ratio(self) -> float:
+        return self.target / self.reference
+
+
+def compare(
+    parameters: ParameterSet,
+    impl: type | None = None,
+    ops: Sequence[str] = OPS,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Time every op on both sides, and the batching overhead, for each geometry."""
+    impl = impl or load_impl()
+    rows = []
+    for geometry in parameters.geometries():
+        workload = Workload(geometry, impl=impl)
+        # Warm up: codec tables and MLX kernels are built on first use.
+        for side in SIDES:
+            warm = workload.case("decode", side)
+            warm.run(*warm.setup())
+        for op in ops:
+            if progress:
+                progress(f"{op} {geometry.label}")
+            target, baseline = (workload.case(op, side) for side in SIDES)
+            rows.append(
+                Row(
+                    op,
+                    geometry,
+                    time_case(target, parameters.rounds),
+                    time_case(baseline, parameters.rounds),
+                    "BatchKVCache",
+                )
+            )
+        if progress:
+            progress(f"decode-overhead {geometry.label}")
+        target, parent = workload.overhead_cases()
+        rows.append(
+            Row(
+                "decode-overhead (B=1)",
+                geometry,
+                time_case(target, parameters.rounds),
+                time_case(parent, parameters.rounds),
+                "TurboQuantKVCache",
+            )
+        )
+    return rows
+
+
+def goal(row: Row) -> float | None:
+    """The issue's target ratio for ``row``, or None where it sets none.
+
+    finalize <= 1x BatchKVCache's; filter, extend, merge <= 0.5x at 4096
+    tokens; a decode step's batching overhead <= 5 % over the parent's work.
+    """
+    if row.op == "prepare+finalize":
+        return 1.0
+    if row.op in ("filter", "extend", "merge") and row.geometry.context >= 4096:
+        return 0.5
+    if row.op.startswith("decode-overhead"):
+        return 1.05
+    return None
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    """The comparison as a markdown table (times in milliseconds)."""
+    lines = [
+        "| op | context | bits | target (ms) | reference | reference (ms) | ratio | goal |",
+        "|---|---:|---:|---:|---|---:|---:|---|",
+    ]
+    for r in rows:
+        g = goal(r)
+        verdict = "" if g is None else f"<= {g:g} {'met' if r.ratio <= g else 'missed'}"
+        lines.append(
+            f"| {r.op} | {r.geometry.context} | {r.geometry.bits} | {_ms(r.target)} | "
+            f"{r.reference_name} | {_ms(r.reference)} | {r.ratio:.2f} | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- plot
+
+
+def require_matplotlib():
+    """matplotlib's pyplot on a file-only backend, or an ImportError saying how to get it."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError("plotting needs matplotlib: pip install 'tqbatch[plot]'") from err
+    matplotlib.use("Agg")  # no display: we only write files
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(rows: Sequence[Row], path: str) -> None:
+    """Write a PNG of each op's cost against context length, target and reference,
+    one panel per bit width (log-log: contexts and costs span decades)."""
+    plt = require_matplotlib()
+    bit_widths = sorted({r.geometry.bits for r in rows})
+    fig, axes = plt.subplots(
+        1, len(bit_widths), figsize=(6 * len(bit_widths), 4.5), squeeze=False, sharey=True
+    )
+    for ax, bits in zip(axes[0], bit_widths):
+        ops = list(dict.fromkeys(r.op for r in rows if r.geometry.bits == bits))
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for i, op in enumerate(ops):
+            mine = sorted(
+                (r for r in rows if r.op == op and r.geometry.bits == bits),
+                key=lambda r: r.geometry.context,
+            )
+            contexts = [r.geometry.context for r in mine]
+            color = colors[i % len(colors)]
+            ax.plot(contexts, [r.target * 1e3 for r in mine], "o-", color=color, label=op)
+            ax.plot(contexts, [r.reference * 1e3 for r in mine], "s--", color=color, alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(f"{bits}-bit target (solid) vs reference (dashed)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("time per op (ms)")
+    axes[0][-1].legend(fontsize="small", loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,81 @@
+"""``tqbatch bench``: time the target's ops beside mlx-lm's BatchKVCache, print ratios."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from tqbatch import bench
+from tqbatch.testing.impl import ImplSpecError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="compare op costs with mlx-lm's BatchKVCache (markdown table)",
+        description=(
+            "Time merge, extend, filter, extract, prepare+finalize, trim and a decode step "
+            "of the target and of mlx-lm's BatchKVCache (float16) on the same geometry, "
+            "plus the batching overhead of a B=1 decode step over mlx-vlm's "
+            "TurboQuantKVCache, and print a markdown table of ratios from this one run."
+        ),
+    )
+    parser.add_argument(
+        "--impl",
+        metavar="MODULE:CLASS",
+        help="cache under test (default: $TQBATCH_IMPL or tqbatch.BatchTurboQuantKVCache)",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="the full grid: B=8, H=8, D=128, bits 4 and 8, contexts 512 and 4096 "
+        "(default: contexts 512, 4 bits)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="timed rounds per op and side (median)"
+    )
+    parser.add_argument(
+        "--ops",
+        nargs="+",
+        choices=bench.OPS,
+        default=list(bench.OPS),
+        metavar="OP",
+        help=f"ops to time (default: all of {', '.join(bench.OPS)})",
+    )
+    parser.add_argument("--plot", metavar="OUT.png", help="also plot op cost against context")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.plot:
+        # Fail before minutes of timing, not after.
+        try:
+            bench.require_matplotlib()
+        except ImportError as err:
+            print(f"tqbatch bench --plot: {err}", file=sys.stderr)
+            return 2
+    try:
+        impl = bench.load_impl(args.impl)
+    except ImplSpecError as err:
+        print(f"tqbatch bench: {err}", file=sys.stderr)
+        return 2
+    parameters = bench.FULL if args.full else bench.SMALL
+    if args.rounds is not None:
+        if args.rounds < 1:
+            print("tqbatch bench: --rounds must be at least 1", file=sys.stderr)
+            return 2
+        parameters = dataclasses.replace(parameters, rounds=args.rounds)
+
+    rows = bench.compare(
+        parameters,
+        impl=impl,
+        ops=args.ops,
+        progress=lambda what: print(f"timing {what}", file=sys.stderr, flush=True),
+    )
+    print(f"target: {impl.__module__}.{impl.__qualname__}; median of {parameters.rounds} rounds")
+    print()
+    print(bench.markdown_table(rows))
+    if args.plot:
+        bench.plot(rows, args.plot)
+        print(f"\nplot written to {args.plot}")
+    return 0

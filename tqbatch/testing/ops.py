@@ -1,0 +1,690 @@
+"""The op executor: apply ops of docs/ops.md to a target and its oracles, and check them.
+
+A ``World`` holds the cache under test (``target``), the numpy model of what
+it should hold (``model``), mlx-lm's full-precision ``BatchKVCache`` (``dense``)
+and one single-request ``TurboQuantKVCache`` per request (``refs``).
+``World.apply(op)`` performs one op on all of them, generating K/V and queries
+deterministically from the op's seeds; ``World.check()`` verifies every
+invariant. Both raise ``AssertionError`` naming the op and the quantity that
+diverged. The state machine (``tqbatch.testing.stateful``) and golden-scenario
+replay (``tqbatch.testing.scenario``) are both built on these two calls::
+
+    world = World(impl, bits=4.0, seed=0)
+    for op in ops:
+        world.apply(op)
+        world.check()
+
+Padding must never influence outputs: wherever the harness writes a padding
+slot (left padding of a prefill, the tail of a right-padded prefill) it writes
+*poison* (K/V scaled by ``POISON``); every comparison is against references
+that never saw those tokens.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import itertools
+import json
+import math
+from typing import Any, Iterator, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+from mlx_vlm.models.base import scaled_dot_product_attention
+from mlx_vlm.turboquant import TurboQuantKVCache
+
+from tqbatch.testing.impl import capabilities, load_impl
+from tqbatch.testing.model import BatchModel, attention
+from tqbatch.testing.reference import DenseOracle, TurboReferences, to_numpy
+
+__all__ = [
+    "ATTENTION_TOL",
+    "DEQUANT_TOL",
+    "MASK_CHECKS",
+    "POISON",
+    "UnsupportedOp",
+    "World",
+    "fp_attention_bound",
+    "format_ops",
+]
+
+# Scale of K/V written into padding slots. Large enough that attending to one
+# poisoned slot moves an output far past ATTENTION_TOL, small enough that
+# mlx-vlm's float16 norms (max 65504) hold it at head_dim <= 256.
+POISON = 16.0
+
+# Dequantized rows vs the per-request reference. Both decode the same packed
+# bits with the same codec, so they agree to float32 rounding of the
+# dequantize itself (measured 0.0); 1e-6 leaves room only for that.
+DEQUANT_TOL = 1e-6
+
+# Batched attention vs per-request attention over the reference. Same packed
+# bits; the batch path may take a different (padded, masked, batched) kernel
+# route, which reorders float32 sums over <= a few hundred slots: ~1e-6
+# observed; 1e-4 is the contract's bound and far below any wrong-token error
+# (a poisoned or missing slot moves outputs by > 1e-2).
+ATTENTION_TOL = 1e-4
+
+# (N, window_size) pairs at which make_mask is compared after every op.
+MASK_CHECKS = ((1, None), (3, None), (1, 2), (4, 3))
+
+
+def fp_attention_bound(key_bits: float, value_bits: float) -> float:
+    """Max abs error allowed between TurboQuant and full-precision attention.
+
+    For unit-normal K/V/queries (head_dim 32-128, <= 64 tokens), TurboQuant's
+    MSE codec has a relative per-vector error of about ``sqrt(c * 4**-b)``
+    (c ~ 2.7 from the paper's distortion bound). Attention outputs are convex
+    combinations of values, so the value error passes through at most at that
+    relative size, and key errors perturb the softmax weights similarly. The
+    bound is 4x the worst error measured over 500 random cases per bit width
+    (tests/property/test_harness.py re-measures that it holds with margin),
+    so a wrong-but-close codec (e.g. one bit fewer) is still caught at high
+    bits while random draws never trip it.
+    """
+    b = min(key_bits, value_bits)
+    return 4.0 * _MEASURED_FP_ERROR[int(math.floor(b))]
+
+
+# Worst max-abs attention error vs full precision measured by
+# tests/property/test_harness.py::measure_fp_error (500 cases per width,
+# B=1, H=2, Hq=4, D=64, 1-48 tokens, queries 1-4).
+_MEASURED_FP_ERROR = {1: 1.2, 2: 0.60, 3: 0.36, 4: 0.20, 5: 0.11, 6: 0.06, 7: 0.035, 8: 0.02}
+
+
+class UnsupportedOp(Exception):
+    """The target lacks a capability the op needs (see ``tqbatch.testing.impl``)."""
+
+
+def format_ops(ops) -> str:
+    """A JSON list of ops, one per line: a runnable sequence to paste into a scenario."""
+    return "[\n" + ",\n".join("  " + json.dumps(op) for op in ops) + "\n]"
+
+
+def _ints(x) -> list[int]:
+    if isinstance(x, mx.array):
+        mx.eval(x)
+        x = np.array(x)
+    return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
+
+
+def _fail(op, what: str):
+    raise AssertionError(f"after {json.dumps(op) if op else 'start'}: {what}")
+
+
+class World:
+    """Target, numpy model and oracles, advanced in lockstep by ops.
+
+    Args:
+        impl: the cache class under test (default: ``load_impl()``).
+        bits, seed, key_bits, value_bits: TurboQuant configuration of every
+            request and batch.
+        kv_heads, head_dim: K/V geometry.
+        ids: request-id counter (shared with the nested worlds of ``extend``).
+
+    Attributes after ``apply``: ``ops`` (every op applied, in order, as dicts),
+    ``last`` (what the last op returned: e.g. attention outputs, extracted
+    tokens), ``capabilities`` (what the target offers).
+    """
+
+    def __init__(
+        self,
+        impl: Optional[type] = None,
+        *,
+        bits: float = 4.0,
+        seed: int = 0,
+        key_bits: Optional[float] = None,
+        value_bits: Optional[float] = None,
+        kv_heads: int = 2,
+        head_dim: int = 64,
+        ids: Optional[Iterator[int]] = None,
+    ):
+        self.impl = impl if impl is not None else load_impl()
+        self.capabilities = capabilities(self.impl)
+        self.bits, self.seed = float(bits), int(seed)
+        self.key_bits, self.value_bits = key_bits, value_bits
+        probe = TurboQuantKVCache(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
+        self.resolved_bits = (probe.key_bits, probe.value_bits)
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self._ids = ids if ids is not None else itertools.count()
+        self.target = None
+        self.model = BatchModel(kv_heads, head_dim, self._ids)
+        self.dense: Optional[DenseOracle] = None
+        self.refs = TurboReferences(bits, seed, key_bits, value_bits)
+        self.ops: list[dict] = []
+        self.last: Any = None
+        self._op: Optional[dict] = None
+
+    # ================================================================ public
+
+    def supports(self, op: dict) -> bool:
+        """Whether the target offers every capability ``op`` needs."""
+        need = _NEEDS.get(op["op"], ())
+        if op["op"] == "expect_error":
+            return self.supports(op["inner"])
+        if op["op"] == "extend":
+            return all(self.capabilities.get(c, False) for c in need) and all(
+                self.supports(o) for o in op["other"]
+            )
+        return all(self.capabilities.get(c, False) for c in need)
+
+    def apply(self, op: dict):
+        """Perform ``op`` on target, model and oracles; returns what the op yields.
+
+        Raises ``UnsupportedOp`` if the target lacks a needed capability,
+        ``AssertionError`` if the target misbehaves during the op (raises
+        unexpectedly, returns wrong values, or an ``expect_error`` op does not
+        raise / changes state).
+        """
+        if op.get("op") not in _HANDLERS:
+            raise ValueError(f"unknown op {op.get('op')!r}; the vocabulary is in docs/ops.md")
+        if not self.supports(op):
+            raise UnsupportedOp(f"{self.impl.__name__} cannot run {json.dumps(op)}")
+        if self.target is None and op["op"] not in ("merge", "new", "expect_error"):
+            raise ValueError(f"{op['op']}: no batch yet; start with a 'merge' or 'new' op")
+        self._op = op
+        self.ops.append(op)
+        if op["op"] == "expect_error":
+            self.last = self._expect_error(op)
+            return self.last
+        target_phase, oracle_phase = _HANDLERS[op["op"]]
+        try:
+            ctx = target_phase(self, op)
+        except AssertionError:
+            raise
+        except Exception as exc:
+            raise AssertionError(
+                f"{json.dumps(op)}: target raised {type(exc).__name__}: {exc}"
+            ) from exc
+        self.last = oracle_phase(self, op, ctx)
+        return self.last
+
+    def check(self):
+        """Every invariant of the current state; AssertionError naming the failing quantity."""
+        if self.target is None:
+            return
+        op = self._op
+        self._check_geometry(op)
+        self._check_dense_matches_model(op)
+        self._check_masks(op)
+        self._check_rows(op)
+
+    # ============================================================ generation
+
+    def _kv(self, seed: int, shape, scale: float, padded: Optional[np.ndarray] = None):
+        """float32 keys and values (B, H, T, D) from ``seed``; padded (B, T) slots poisoned."""
+        rng = np.random.default_rng(seed)
+        keys = (rng.standard_normal(shape) * scale).astype(np.float32)
+        values = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if padded is not None and padded.any():
+            factor = np.where(padded, POISON, 1.0).astype(np.float32)[:, None, :, None]
+            keys, values = keys * factor, values * factor
+        return keys, values
+
+    def _single(self, seed: Optional[int] = None) -> TurboQuantKVCache:
+        return TurboQuantKVCache(
+            bits=self.bits,
+            seed=self.seed if seed is None else seed,
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+        )
+
+    def _construct(self, left_padding, bits=None, seed=None):
+        kwargs = dict(bits=self.bits if bits is None else bits)
+        kwargs["seed"] = self.seed if seed is None else seed
+        if self.key_bits is not None:
+            kwargs["key_bits"] = self.key_bits
+        if self.value_bits is not None:
+            kwargs["value_bits"] = self.value_bits
+        return self.impl(list(left_padding), **kwargs)
+
+    def spawn(self) -> "World":
+        """An empty world with this one's configuration and request-id counter."""
+        return World(
+            self.impl,
+            bits=self.bits,
+            seed=self.seed,
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            ids=self._ids,
+        )
+
+    # ================================================================ ops
+
+    # ---- merge
+    def _merge_target(self, op):
+        lengths = [int(n) for n in op["lengths"]]
+        H, D = self.kv_heads, self.head_dim
+        rng = np.random.default_rng(op["kv_seed"])
+        scale = op.get("scale", 1.0)
+        members = [
+            (
+                (rng.standard_normal((H, n, D)) * scale).astype(np.float32),
+                (rng.standard_normal((H, n, D)) * scale).astype(np.float32),
+            )
+            for n in lengths
+        ]
+        seeds = op.get("member_seeds") or [self.seed] * len(lengths)
+        if op.get("foreign"):
+            singles = [KVCache() for _ in lengths]  # mlx-lm's, not TurboQuant
+        else:
+            singles = [self._single(s) for s in seeds]
+        for single, (k, v) in zip(singles, members):
+            if k.shape[1]:
+                single.update_and_fetch(mx.array(k[None]), mx.array(v[None]))
+        target = self.impl.merge(singles)
+        return target, members
+
+    def _merge_oracles(self, op, ctx):
+        self.target, members = ctx
+        requests = [self.model.new_request(k, v) for k, v in members]
+        self.model.reset_merged(requests)
+        self.dense = DenseOracle.merged(members)
+        for req in requests:
+            self.refs.new(req.id)
+            self.refs.append(req.id, req.keys, req.values)
+
+    # ---- new
+    def _new_target(self, op):
+        return self._construct(op["left_padding"], op.get("bits"), op.get("seed"))
+
+    def _new_oracles(self, op, target):
+        self.target = target
+        self.model.reset_empty(op["left_padding"])
+        self.dense = DenseOracle.empty(op["left_padding"])
+        for row in self.model.rows:
+            self.refs.new(row.request.id)
+
+    # ---- prepare
+    def _prepare_target(self, op):
+        kwargs = {k: op.get(k) for k in ("left_padding", "right_padding") if op.get(k) is not None}
+        self.target.prepare(**kwargs)
+
+    def _prepare_oracles(self, op, _):
+        self.model.prepare(op.get("left_padding"), op.get("right_padding"))
+        self.dense.prepare(op.get("left_padding"), op.get("right_padding"))
+
+    # ---- update
+    def _update_shape(self, op, tokens):
+        return (
+            op.get("rows", self.model.batch_size),
+            op.get("heads", self.kv_heads),
+            tokens,
+            op.get("head_dim", self.head_dim),
+        )
+
+    def _update_target(self, op):
+        shape = self._update_shape(op, int(op["tokens"]))
+        padded = self.model.padding_slots(shape[2]) if shape[0] == self.model.batch_size else None
+        keys, values = self._kv(op["kv_seed"], shape, op.get("scale", 1.0), padded)
+        fetched = self.target.update_and_fetch(mx.array(keys), mx.array(values))
+        return keys, values, padded, fetched
+
+    def _write_oracles(self, keys, values, padded, scale):
+        unusual = padded | (scale != 1.0)
+        self.dense.update(keys, values)
+        taken = self.model.write(keys, values, unusual)
+        for b, row in enumerate(self.model.rows):
+            self.refs.append(row.request.id, keys[b, :, taken[b]], values[b, :, taken[b]])
+        return taken
+
+    def _update_oracles(self, op, ctx):
+        keys, values, padded, _ = ctx
+        self._write_oracles(keys, values, padded, op.get("scale", 1.0))
+
+    # ---- attend: a forward step (mask, write N tokens, attend)
+    def _attend_target(self, op):
+        N, Hq = int(op["queries"]), int(op["q_heads"])
+        window = op.get("window_size")
+        B, D = self.model.batch_size, self.head_dim
+        rng = np.random.default_rng(op["q_seed"])
+        queries = rng.standard_normal((B, Hq, N, D)).astype(np.float32)
+        padded = self.model.padding_slots(N)
+        kv_seed = op.get("kv_seed", op["q_seed"] + 1)
+        keys, values = self._kv(kv_seed, (B, self.kv_heads, N, D), op.get("scale", 1.0), padded)
+        mask = self.target.make_mask(N, return_array=True, window_size=window)
+        ks, vs = self.target.update_and_fetch(mx.array(keys), mx.array(values))
+        out = scaled_dot_product_attention(
+            mx.array(queries), ks, vs, cache=self.target, scale=D**-0.5, mask=mask
+        )
+        return queries, keys, values, padded, to_numpy(out)
+
+    def _attend_oracles(self, op, ctx):
+        queries, keys, values, padded, out = ctx
+        N, window, D = queries.shape[2], op.get("window_size"), self.head_dim
+        end_before = self.model.end
+        taken = self._write_oracles(keys, values, padded, op.get("scale", 1.0))
+        kb, vb = self.resolved_bits
+        bound = fp_attention_bound(kb, vb)
+        for b, row in enumerate(self.model.rows):
+            valid = taken[b]
+            n_valid = valid.stop - valid.start
+            if n_valid == 0:
+                continue  # every query of this row is padding: its output is unused
+            got = out[b, :, valid]
+            rid = row.request.id
+            ref = self.refs.get(rid)
+            length = ref.offset
+            ks, vs = ref.state
+            ref_mask = _single_mask(n_valid, length - n_valid, window)
+            want = to_numpy(
+                scaled_dot_product_attention(
+                    mx.array(queries[b : b + 1, :, valid]),
+                    ks,
+                    vs,
+                    cache=ref,
+                    scale=D**-0.5,
+                    mask=mx.array(ref_mask),
+                )
+            )[0]
+            err = float(np.max(np.abs(got - want))) if got.size else 0.0
+            if not np.isfinite(got).all() or err > ATTENTION_TOL:
+                _fail(
+                    op,
+                    f"attention of row {b} (request {rid}, {n_valid} valid queries) differs from "
+                    f"per-request attention over the TurboQuant reference by {err:.3g} "
+                    f"(> {ATTENTION_TOL})",
+                )
+            req = row.request
+            if req.unusual.any():
+                continue  # poisoned or rescaled tokens: the measured bound does not apply
+            fp = attention(
+                queries[b][:, valid], req.keys, req.values, ref_mask[0, 0], D**-0.5
+            ).astype(np.float32)
+            fp_err = float(np.max(np.abs(got - fp)))
+            if fp_err > bound:
+                _fail(
+                    op,
+                    f"attention of row {b} (request {rid}) is {fp_err:.3g} from full-precision "
+                    f"attention, beyond the {kb}/{vb}-bit bound {bound:.3g}",
+                )
+        return {"attention": out, "end_before": end_before}
+
+    # ---- finalize
+    def _finalize_target(self, op):
+        self.target.finalize()
+
+    def _finalize_oracles(self, op, _):
+        self.dense.finalize()
+        dropped = self.model.finalize()
+        for row, n in zip(self.model.rows, dropped):
+            self.refs.trim(row.request.id, n)
+
+    # ---- filter
+    def _filter_target(self, op):
+        self.target.filter(list(op["indices"]))
+
+    def _filter_oracles(self, op, _):
+        self.dense.filter(op["indices"])
+        self.model.filter(op["indices"])
+
+    # ---- extend
+    def _extend_target(self, op):
+        other = self.spawn()
+        for inner in op["other"]:
+            other.apply(inner)
+        if op.get("as_dense"):  # bad input: a foreign cache type
+            self.target.extend(other.dense.cache)
+        else:
+            self.target.extend(other.target)
+        return other
+
+    def _extend_oracles(self, op, other):
+        self.dense.extend(other.dense)
+        self.model.extend(other.model)
+        self.refs.absorb(other.refs)
+
+    # ---- extract
+    def _extract_target(self, op):
+        return self.target.extract(int(op["index"]))
+
+    def _extract_oracles(self, op, single):
+        b = int(op["index"])
+        row = self.model.rows[b]
+        rid = row.request.id
+        pending = self.model.right_padding[b] if self.model.right_padding else 0
+        length = max(0, self.model.row_length(b) - pending)
+        got_len = 0 if single.keys is None else int(single.offset)
+        if got_len != length:
+            _fail(op, f"extract({b}) holds {got_len} tokens, request {rid} has {length}")
+        out = {"length": length}
+        if length:
+            want_k, want_v = self.refs.dequantized(rid)
+            got_k, got_v = single.dequantize()
+            got_k, got_v = to_numpy(got_k[0]), to_numpy(got_v[0])
+            for name, got, want in (("keys", got_k, want_k), ("values", got_v, want_v)):
+                want = want[:, :length]
+                if got.shape != want.shape:
+                    _fail(op, f"extract({b}) {name} shape {got.shape}, expected {want.shape}")
+                err = float(np.max(np.abs(got - want)))
+                if err > DEQUANT_TOL:
+                    _fail(op, f"extract({b}) {name} differ from the reference by {err:.3g}")
+            out.update(keys=got_k, values=got_v)
+            if pending == 0:
+                dk, dv = self.dense.extract(b)
+                mk, mv = self.model.tokens(b)
+                if not (np.array_equal(dk, mk) and np.array_equal(dv, mv)):
+                    _fail(op, f"harness: BatchKVCache.extract({b}) disagrees with the numpy model")
+            # The extracted cache must be independent: append a poison token to
+            # it; check() then shows the batch row did not move.
+            rng = np.random.default_rng(b)
+            poison = (rng.standard_normal((1, self.kv_heads, 1, self.head_dim)) * POISON).astype(
+                np.float32
+            )
+            single.update_and_fetch(mx.array(poison), mx.array(poison))
+            mx.eval(single.keys, single.values)
+        return out
+
+    # ---- trim
+    def _trim_target(self, op):
+        return self.target.trim(int(op["n"]))
+
+    def _trim_oracles(self, op, trimmed):
+        dense_n = self.dense.trim(int(op["n"]))
+        model_n, dropped = self.model.trim(int(op["n"]))
+        if not isinstance(trimmed, (int, np.integer)) or int(trimmed) != model_n:
+            _fail(op, f"trim returned {trimmed!r}, expected {model_n} (BatchKVCache: {dense_n})")
+        for row, n in zip(self.model.rows, dropped):
+            self.refs.trim(row.request.id, n)
+        return model_n
+
+    # ---- roundtrip
+    def _roundtrip_target(self, op):
+        donor = self.target
+        state, meta = donor.state, donor.meta_state
+        fresh = _from_state(self.impl, state, meta)
+        # A restored copy must share no array with its donor: write poison
+        # into the donor; check() then compares the fresh copy with the oracles.
+        if not donor.empty():
+            B = self.model.batch_size
+            rng = np.random.default_rng(12345)
+            poison = (
+                rng.standard_normal((B, self.kv_heads, 1, self.head_dim)) * POISON
+            ).astype(np.float32)
+            donor.update_and_fetch(mx.array(poison), mx.array(poison))
+        return fresh
+
+    def _roundtrip_oracles(self, op, fresh):
+        self.target = fresh
+
+    # ---- expect_error
+    def _expect_error(self, op):
+        inner, expected = op["inner"], op["error"]
+        exc_type = getattr(builtins, expected, None)
+        if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+            raise ValueError(f"expect_error: {expected!r} is not a builtin exception type")
+        before = self._snapshot()
+        target_phase, _ = _HANDLERS[inner["op"]]
+        try:
+            target_phase(self, inner)
+        except exc_type:
+            pass
+        except Exception as exc:
+            _fail(op, f"expected {expected}, the target raised {type(exc).__name__}: {exc}")
+        else:
+            _fail(op, f"expected {expected}, the target accepted the op")
+        after = self._snapshot()
+        for key in before:
+            a, b = before[key], after[key]
+            same = (
+                np.array_equal(a, b, equal_nan=True)
+                if isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+                else a == b
+            )
+            if not same:
+                _fail(op, f"the rejected op changed the target's {key}: {a!r} -> {b!r}")
+        return expected
+
+    def _snapshot(self) -> dict:
+        if self.target is None:
+            return {}
+        t = self.target
+        snap = {
+            "offset": _ints(t.offset),
+            "left_padding": _ints(t.left_padding),
+            "size": _ints(t.size()),
+            "mask": to_numpy(t.make_mask(2, return_array=True)),
+        }
+        if self.capabilities["dequantize"] and not t.empty() and self.model.end > 0:
+            k, v = t.dequantize()
+            snap["keys"], snap["values"] = to_numpy(k), to_numpy(v)
+        return snap
+
+    # ================================================================ checks
+
+    def _check_geometry(self, op):
+        t, m, d = self.target, self.model, self.dense
+        size = t.size()
+        if not isinstance(size, (int, np.integer)):
+            _fail(op, f"size() returned {type(size).__name__} {size!r}, not an int")
+        got = {"offset": _ints(t.offset), "left_padding": _ints(t.left_padding), "size": int(size)}
+        want = {"offset": m.offsets, "left_padding": m.left_padding, "size": m.size()}
+        dense = {"offset": d.offsets, "left_padding": d.left_padding, "size": d.size()}
+        for key in want:
+            if want[key] != dense[key]:
+                _fail(op, f"harness: the numpy model's {key} {want[key]} != BatchKVCache's {dense[key]}")
+            if got[key] != want[key]:
+                _fail(op, f"{key} is {got[key]}, BatchKVCache and the model have {want[key]}")
+
+    def _check_dense_matches_model(self, op):
+        if self.dense.cache.keys is None:
+            return
+        for b in range(self.model.batch_size):
+            if self.model.row_length(b) == 0:
+                continue
+            dk, dv = self.dense.row_tokens(b)
+            mk, mv = self.model.tokens(b)
+            if not (np.array_equal(dk, mk) and np.array_equal(dv, mv)):
+                _fail(op, f"harness: BatchKVCache row {b} tokens disagree with the numpy model")
+
+    def _check_masks(self, op):
+        for n, window in MASK_CHECKS:
+            want = self.model.mask(n, window)
+            dense = self.dense.mask(n, window)
+            if dense.shape != want.shape or not np.array_equal(dense, want):
+                _fail(op, f"harness: BatchKVCache make_mask({n}, window_size={window}) != model's")
+            raw = self.target.make_mask(n, return_array=True, window_size=window)
+            if not isinstance(raw, mx.array):
+                _fail(op, f"make_mask({n}, return_array=True) returned {raw!r}, not an array")
+            got = to_numpy(raw)
+            if got.dtype != np.bool_:
+                _fail(op, f"make_mask({n}) has dtype {raw.dtype}, expected bool")
+            if got.shape != want.shape:
+                _fail(
+                    op,
+                    f"make_mask({n}, window_size={window}) has shape {got.shape}, "
+                    f"BatchKVCache's is {want.shape}",
+                )
+            if not np.array_equal(got, want):
+                rows = sorted({int(b) for b in np.argwhere(got != want)[:, 0]})
+                _fail(op, f"make_mask({n}, window_size={window}) differs from BatchKVCache's in rows {rows}")
+
+    def _check_rows(self, op):
+        if not self.capabilities["dequantize"] or self.model.end == 0:
+            return
+        rows = [b for b in range(self.model.batch_size) if self.model.row_length(b)]
+        if not rows:
+            return
+        if self.target.empty():
+            _fail(op, f"the target is empty but rows {rows} hold tokens")
+        keys, values = self.target.dequantize()
+        keys, values = to_numpy(keys), to_numpy(values)
+        end = self.model.end
+        if keys.shape[2] < end or values.shape[2] < end:
+            _fail(op, f"dequantize() has {keys.shape[2]} slots, the written end is {end}")
+        if keys.shape[2] != end:
+            _fail(op, f"dequantize() has {keys.shape[2]} slots, expected the written end {end}")
+        for b in rows:
+            lp = self.model.rows[b].left_padding
+            rid = self.model.rows[b].request.id
+            want_k, want_v = self.refs.dequantized(rid)
+            for name, got, want in (("keys", keys, want_k), ("values", values, want_v)):
+                got = got[b, :, lp:end]
+                if want is None or got.shape != want.shape:
+                    _fail(
+                        op,
+                        f"row {b} (request {rid}) holds {got.shape[1]} {name}, the reference "
+                        f"{0 if want is None else want.shape[1]}",
+                    )
+                err = float(np.max(np.abs(got - want)))
+                if not err <= DEQUANT_TOL:
+                    bad = np.argwhere(np.abs(got - want).max(axis=(0, 2)) > DEQUANT_TOL)[:, 0]
+                    _fail(
+                        op,
+                        f"row {b} (request {rid}) dequantized {name} differ from the per-request "
+                        f"TurboQuant reference by {err:.3g} at token(s) {bad.tolist()[:8]}",
+                    )
+
+
+def _single_mask(n_queries: int, past: int, window) -> np.ndarray:
+    """(1, 1, N, past + N) causal mask of a lone, unpadded request."""
+    from tqbatch.testing.model import causal_mask
+
+    return causal_mask(n_queries, past, [0], window)
+
+
+def _from_state(cls, state, meta_state):
+    """A fresh instance from ``state``/``meta_state``, as a prompt-cache loader builds it."""
+    from_state = getattr(cls, "from_state", None)
+    if from_state is not None:
+        try:
+            params = inspect.signature(from_state).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if len(params) >= 2:
+            return from_state(state, meta_state)
+    obj = cls.__new__(cls)  # mlx-lm's protocol: no __init__, then the setters
+    obj.state = state
+    obj.meta_state = meta_state
+    return obj
+
+
+_HANDLERS = {
+    "merge": (World._merge_target, World._merge_oracles),
+    "new": (World._new_target, World._new_oracles),
+    "prepare": (World._prepare_target, World._prepare_oracles),
+    "update": (World._update_target, World._update_oracles),
+    "attend": (World._attend_target, World._attend_oracles),
+    "finalize": (World._finalize_target, World._finalize_oracles),
+    "filter": (World._filter_target, World._filter_oracles),
+    "extend": (World._extend_target, World._extend_oracles),
+    "extract": (World._extract_target, World._extract_oracles),
+    "trim": (World._trim_target, World._trim_oracles),
+    "roundtrip": (World._roundtrip_target, World._roundtrip_oracles),
+    "expect_error": (None, None),
+}
+
+_NEEDS = {
+    "merge": ("merge",),
+    "prepare": ("prepare",),
+    "finalize": ("finalize",),
+    "filter": ("filter",),
+    "extend": ("extend",),
+    "extract": ("extract",),
+    "trim": ("trim",),
+    "roundtrip": ("roundtrip",),
+}

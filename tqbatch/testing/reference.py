@@ -1,0 +1,196 @@
+"""The oracles the target is compared with.
+
+* ``DenseOracle``: mlx-lm's ``BatchKVCache`` fed the same full-precision K/V
+  and the same ops. It defines the geometry (offsets, left padding, written
+  end, masks) a batch cache must keep in lockstep with.
+* ``TurboReferences``: one ``mlx_vlm.turboquant.TurboQuantKVCache(bits, seed)``
+  per request, fed only that request's tokens. TurboQuant quantizes token by
+  token with codecs fixed by (head_dim, bits, seed), so a batch row must hold
+  exactly the bits this reference holds.
+
+Known defects of ``BatchKVCache`` (mlx-lm 0.32.2) and what the oracle does
+about them, so that it is only consulted where it is right:
+
+1. ``filter`` does not filter pending right padding: the oracle filters
+   ``_right_padding`` itself after calling ``filter``.
+2. ``filter`` shifts by the smallest left padding even when that is past the
+   written end (an empty, left-padded cache, or rows still all padding),
+   driving ``_idx`` negative: the oracle never shifts past the written end
+   (it applies the filter by hand in that case, the same arithmetic capped).
+3. ``extend`` drops pending right padding: the oracle concatenates it itself.
+4. ``extract`` ignores pending right padding: it is not consulted for
+   ``extract`` while right padding is pending.
+5. ``make_mask`` ignores ``return_array`` (always an array): harmless here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_vlm.turboquant import TurboQuantKVCache
+
+__all__ = ["DenseOracle", "TurboReferences", "to_numpy"]
+
+
+def to_numpy(x) -> np.ndarray:
+    """A numpy copy of an MLX array (bool arrays stay bool)."""
+    mx.eval(x)
+    if x.dtype == mx.bool_:
+        return np.array(x)
+    if x.dtype in (mx.float16, mx.bfloat16):
+        x = x.astype(mx.float32)
+    return np.array(x)
+
+
+class DenseOracle:
+    """mlx-lm's ``BatchKVCache`` in full precision, with snapshotting read-outs."""
+
+    def __init__(self, cache: BatchKVCache):
+        self.cache = cache
+
+    @classmethod
+    def empty(cls, left_padding: Sequence[int]) -> "DenseOracle":
+        return cls(BatchKVCache(list(left_padding)))
+
+    @classmethod
+    def merged(cls, members: Sequence[tuple[np.ndarray, np.ndarray]]) -> "DenseOracle":
+        """Merge single full-precision requests, each (H, T, D) keys and values."""
+        singles = []
+        for keys, values in members:
+            c = KVCache()
+            if keys.shape[1] > 0:
+                c.update_and_fetch(mx.array(keys[None]), mx.array(values[None]))
+            singles.append(c)
+        return cls(BatchKVCache.merge(singles))
+
+    # ----------------------------------------------------------- read-outs
+    # BatchKVCache mutates its arrays in place: always hand out copies.
+
+    @property
+    def offsets(self) -> list[int]:
+        return [int(v) for v in np.array(self.cache.offset).tolist()]
+
+    @property
+    def left_padding(self) -> list[int]:
+        return [int(v) for v in np.array(self.cache.left_padding).tolist()]
+
+    def size(self) -> int:
+        return int(self.cache._idx)
+
+    @property
+    def right_padding(self) -> Optional[list[int]]:
+        rp = self.cache._right_padding
+        return None if rp is None else [int(v) for v in np.array(rp).tolist()]
+
+    def mask(self, n_queries: int, window_size: Optional[int] = None) -> np.ndarray:
+        return to_numpy(
+            self.cache.make_mask(n_queries, return_array=True, window_size=window_size)
+        ).astype(bool)
+
+    def row_tokens(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``b``'s full-precision slots from its left padding to the written end."""
+        if self.cache.keys is None:
+            raise ValueError("the dense oracle is empty")
+        lp, end = self.left_padding[b], self.size()
+        return (
+            to_numpy(self.cache.keys[b, :, lp:end]),
+            to_numpy(self.cache.values[b, :, lp:end]),
+        )
+
+    # ----------------------------------------------------------- operations
+
+    def update(self, keys: np.ndarray, values: np.ndarray):
+        self.cache.update_and_fetch(mx.array(keys), mx.array(values))
+        mx.eval(self.cache.keys, self.cache.values, self.cache.offset)
+
+    def prepare(self, left_padding=None, right_padding=None):
+        self.cache.prepare(left_padding=left_padding, right_padding=right_padding)
+
+    def finalize(self):
+        self.cache.finalize()
+
+    def trim(self, n: int) -> int:
+        return self.cache.trim(n)
+
+    def filter(self, indices: Sequence[int]):
+        c = self.cache
+        pending = self.right_padding
+        kept_padding = [self.left_padding[i] for i in indices]
+        if min(kept_padding) > self.size():
+            # Defect 2: BatchKVCache would shift past the written end. Apply the
+            # same filter with the shift capped at the written end.
+            index = mx.array(list(indices))
+            shift = self.size()
+            if c.keys is not None:
+                c.keys = c.keys[index][..., shift:, :]
+                c.values = c.values[index][..., shift:, :]
+            c.offset = mx.array(np.array(c.offset)[list(indices)])
+            c.left_padding = mx.array(np.array(kept_padding) - shift)
+            c._idx -= shift
+        else:
+            c.filter(mx.array(list(indices)))
+        if pending is not None:  # defect 1
+            c._right_padding = mx.array([pending[i] for i in indices])
+
+    def extend(self, other: "DenseOracle"):
+        mine, theirs = self.right_padding, other.right_padding
+        B1, B2 = len(self.offsets), len(other.offsets)
+        self.cache.extend(other.cache)
+        if mine is not None or theirs is not None:  # defect 3
+            self.cache._right_padding = mx.array((mine or [0] * B1) + (theirs or [0] * B2))
+
+    def extract(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Full-precision (H, T, D) keys and values of ``BatchKVCache.extract(b)``."""
+        single = self.cache.extract(b)
+        return to_numpy(single.keys[0]), to_numpy(single.values[0])
+
+
+class TurboReferences:
+    """A single-request ``TurboQuantKVCache`` per request id, same bits and seed."""
+
+    def __init__(self, bits: float, seed: int, key_bits=None, value_bits=None):
+        self.config = dict(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
+        self.caches: dict[int, TurboQuantKVCache] = {}
+
+    def new(self, request_id: int) -> TurboQuantKVCache:
+        cache = TurboQuantKVCache(**self.config)
+        self.caches[request_id] = cache
+        return cache
+
+    def get(self, request_id: int) -> TurboQuantKVCache:
+        return self.caches[request_id]
+
+    def absorb(self, other: "TurboReferences"):
+        self.caches.update(other.caches)
+
+    def append(self, request_id: int, keys: np.ndarray, values: np.ndarray):
+        """Append (H, T, D) tokens to a request; returns the fetched states (or None)."""
+        cache = self.caches[request_id]
+        if keys.shape[1] == 0:
+            return None
+        out = cache.update_and_fetch(mx.array(keys[None]), mx.array(values[None]))
+        mx.eval(cache.keys, cache.values)
+        return out
+
+    def trim(self, request_id: int, n: int):
+        if n > 0:
+            self.caches[request_id].trim(n)
+
+    def length(self, request_id: int) -> int:
+        cache = self.caches[request_id]
+        return 0 if cache.keys is None else int(cache.offset)
+
+    def dequantized(self, request_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """(H, T, D) float32 keys and values the reference holds for a request."""
+        cache = self.caches[request_id]
+        if cache.keys is None or cache.offset == 0:
+            return None, None
+        k, v = cache.dequantize()
+        return to_numpy(k[0]), to_numpy(v[0])
+
+    def drop_except(self, request_ids):
+        keep = set(request_ids)
+        self.caches = {i: c for i, c in self.caches.items() if i in keep}
