@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-from typing import Optional
 
 __all__ = [
     "DEFAULT_IMPL",
@@ -31,7 +30,7 @@ class ImplSpecError(ValueError):
     """A ``module:Class`` specification that does not name a usable class."""
 
 
-def load_impl(spec: Optional[str] = None) -> type:
+def load_impl(spec: str | None = None) -> type:
     """The cache class named by ``spec``, else ``$TQBATCH_IMPL``, else tqbatch's own.
 
     ``spec`` is ``"package.module:ClassName"``; the class may be nested
@@ -52,8 +51,7 @@ def load_impl(spec: Optional[str] = None) -> type:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ImplSpecError(
-            f"implementation {spec!r} (from {source}): cannot import module "
-            f"{module_name!r}: {exc}"
+            f"implementation {spec!r} (from {source}): cannot import module {module_name!r}: {exc}"
         ) from exc
     obj = module
     for part in qualname.split("."):
@@ -71,8 +69,7 @@ def load_impl(spec: Optional[str] = None) -> type:
     for required in ("update_and_fetch", "make_mask"):
         if not callable(getattr(obj, required, None)):
             raise ImplSpecError(
-                f"implementation {spec!r} (from {source}) has no {required}(): "
-                "not a batch KV cache"
+                f"implementation {spec!r} (from {source}) has no {required}(): not a batch KV cache"
             )
     return obj
 

@@ -13,8 +13,8 @@ still all padding).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -54,7 +54,7 @@ class Row:
 
 
 def causal_mask(
-    n_queries: int, end: int, left_padding: Sequence[int], window_size: Optional[int] = None
+    n_queries: int, end: int, left_padding: Sequence[int], window_size: int | None = None
 ) -> np.ndarray:
     """(B, 1, N, end + N) booleans: query i sits at slot end + i.
 
@@ -89,12 +89,12 @@ def attention(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, mask, s
 class BatchModel:
     """The expected content and geometry of a batch cache."""
 
-    def __init__(self, kv_heads: int, head_dim: int, ids: Optional[Iterator[int]] = None):
+    def __init__(self, kv_heads: int, head_dim: int, ids: Iterator[int] | None = None):
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.rows: list[Row] = []
         self.end = 0
-        self.right_padding: Optional[list[int]] = None
+        self.right_padding: list[int] | None = None
         self._ids = ids if ids is not None else itertools.count()
 
     # ------------------------------------------------------------ construction
@@ -135,7 +135,7 @@ class BatchModel:
     def size(self) -> int:
         return self.end
 
-    def mask(self, n_queries: int, window_size: Optional[int] = None) -> np.ndarray:
+    def mask(self, n_queries: int, window_size: int | None = None) -> np.ndarray:
         return causal_mask(n_queries, self.end, self.left_padding, window_size)
 
     def row_length(self, b: int) -> int:
@@ -203,7 +203,7 @@ class BatchModel:
             row.left_padding -= shift
         self.end -= shift
 
-    def extend(self, other: "BatchModel"):
+    def extend(self, other: BatchModel):
         end = max(self.end, other.end)
         for side in (self, other):
             for row in side.rows:

@@ -27,7 +27,8 @@ import inspect
 import itertools
 import json
 import math
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -131,15 +132,15 @@ class World:
 
     def __init__(
         self,
-        impl: Optional[type] = None,
+        impl: type | None = None,
         *,
         bits: float = 4.0,
         seed: int = 0,
-        key_bits: Optional[float] = None,
-        value_bits: Optional[float] = None,
+        key_bits: float | None = None,
+        value_bits: float | None = None,
         kv_heads: int = 2,
         head_dim: int = 64,
-        ids: Optional[Iterator[int]] = None,
+        ids: Iterator[int] | None = None,
     ):
         self.impl = impl if impl is not None else load_impl()
         self.capabilities = capabilities(self.impl)
@@ -151,11 +152,11 @@ class World:
         self._ids = ids if ids is not None else itertools.count()
         self.target = None
         self.model = BatchModel(kv_heads, head_dim, self._ids)
-        self.dense: Optional[DenseOracle] = None
+        self.dense: DenseOracle | None = None
         self.refs = TurboReferences(bits, seed, key_bits, value_bits)
         self.ops: list[dict] = []
         self.last: Any = None
-        self._op: Optional[dict] = None
+        self._op: dict | None = None
 
     # ================================================================ public
 
@@ -213,7 +214,7 @@ class World:
 
     # ============================================================ generation
 
-    def _kv(self, seed: int, shape, scale: float, padded: Optional[np.ndarray] = None):
+    def _kv(self, seed: int, shape, scale: float, padded: np.ndarray | None = None):
         """float32 keys and values (B, H, T, D) from ``seed``; padded (B, T) slots poisoned."""
         rng = np.random.default_rng(seed)
         keys = (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -223,7 +224,7 @@ class World:
             keys, values = keys * factor, values * factor
         return keys, values
 
-    def _single(self, seed: Optional[int] = None) -> TurboQuantKVCache:
+    def _single(self, seed: int | None = None) -> TurboQuantKVCache:
         return TurboQuantKVCache(
             bits=self.bits,
             seed=self.seed if seed is None else seed,
@@ -240,7 +241,7 @@ class World:
             kwargs["value_bits"] = self.value_bits
         return self.impl(list(left_padding), **kwargs)
 
-    def spawn(self) -> "World":
+    def spawn(self) -> World:
         """An empty world with this one's configuration and request-id counter."""
         return World(
             self.impl,
@@ -355,7 +356,7 @@ class World:
 
     def _attend_oracles(self, op, ctx):
         queries, keys, values, padded, out = ctx
-        N, window, D = queries.shape[2], op.get("window_size"), self.head_dim
+        window, D = op.get("window_size"), self.head_dim
         end_before = self.model.end
         taken = self._write_oracles(keys, values, padded, op.get("scale", 1.0))
         kb, vb = self.resolved_bits
@@ -502,9 +503,9 @@ class World:
         if not donor.empty():
             B = self.model.batch_size
             rng = np.random.default_rng(12345)
-            poison = (
-                rng.standard_normal((B, self.kv_heads, 1, self.head_dim)) * POISON
-            ).astype(np.float32)
+            poison = (rng.standard_normal((B, self.kv_heads, 1, self.head_dim)) * POISON).astype(
+                np.float32
+            )
             donor.update_and_fetch(mx.array(poison), mx.array(poison))
         return fresh
 
@@ -566,7 +567,10 @@ class World:
         dense = {"offset": d.offsets, "left_padding": d.left_padding, "size": d.size()}
         for key in want:
             if want[key] != dense[key]:
-                _fail(op, f"harness: the numpy model's {key} {want[key]} != BatchKVCache's {dense[key]}")
+                _fail(
+                    op,
+                    f"harness: the numpy model's {key} {want[key]} != BatchKVCache's {dense[key]}",
+                )
             if got[key] != want[key]:
                 _fail(op, f"{key} is {got[key]}, BatchKVCache and the model have {want[key]}")
 
@@ -601,7 +605,11 @@ class World:
                 )
             if not np.array_equal(got, want):
                 rows = sorted({int(b) for b in np.argwhere(got != want)[:, 0]})
-                _fail(op, f"make_mask({n}, window_size={window}) differs from BatchKVCache's in rows {rows}")
+                _fail(
+                    op,
+                    f"make_mask({n}, window_size={window}) differs from BatchKVCache's "
+                    f"in rows {rows}",
+                )
 
     def _check_rows(self, op):
         if not self.capabilities["dequantize"] or self.model.end == 0:

@@ -25,7 +25,7 @@ about them, so that it is only consulted where it is right:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -52,11 +52,11 @@ class DenseOracle:
         self.cache = cache
 
     @classmethod
-    def empty(cls, left_padding: Sequence[int]) -> "DenseOracle":
+    def empty(cls, left_padding: Sequence[int]) -> DenseOracle:
         return cls(BatchKVCache(list(left_padding)))
 
     @classmethod
-    def merged(cls, members: Sequence[tuple[np.ndarray, np.ndarray]]) -> "DenseOracle":
+    def merged(cls, members: Sequence[tuple[np.ndarray, np.ndarray]]) -> DenseOracle:
         """Merge single full-precision requests, each (H, T, D) keys and values."""
         singles = []
         for keys, values in members:
@@ -81,11 +81,11 @@ class DenseOracle:
         return int(self.cache._idx)
 
     @property
-    def right_padding(self) -> Optional[list[int]]:
+    def right_padding(self) -> list[int] | None:
         rp = self.cache._right_padding
         return None if rp is None else [int(v) for v in np.array(rp).tolist()]
 
-    def mask(self, n_queries: int, window_size: Optional[int] = None) -> np.ndarray:
+    def mask(self, n_queries: int, window_size: int | None = None) -> np.ndarray:
         return to_numpy(
             self.cache.make_mask(n_queries, return_array=True, window_size=window_size)
         ).astype(bool)
@@ -135,7 +135,7 @@ class DenseOracle:
         if pending is not None:  # defect 1
             c._right_padding = mx.array([pending[i] for i in indices])
 
-    def extend(self, other: "DenseOracle"):
+    def extend(self, other: DenseOracle):
         mine, theirs = self.right_padding, other.right_padding
         B1, B2 = len(self.offsets), len(other.offsets)
         self.cache.extend(other.cache)
@@ -163,7 +163,7 @@ class TurboReferences:
     def get(self, request_id: int) -> TurboQuantKVCache:
         return self.caches[request_id]
 
-    def absorb(self, other: "TurboReferences"):
+    def absorb(self, other: TurboReferences):
         self.caches.update(other.caches)
 
     def append(self, request_id: int, keys: np.ndarray, values: np.ndarray):
