@@ -33,6 +33,11 @@ from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import BatchTurboQuantKVCache
+from tqbatch.testing.impl import load_impl
+
+# The class under test: tqbatch's own unless $TQBATCH_IMPL / --impl names
+# another (e.g. a mutant from tqbatch.testing.mutants, to see these tests fail).
+Impl: type[BatchTurboQuantKVCache] = load_impl()
 
 H = 2
 D = 64
@@ -149,7 +154,7 @@ class Lockstep:
             singles.append(single)
             denses.append(dense)
             requests.append(req)
-        tq = BatchTurboQuantKVCache.merge(singles)
+        tq = Impl.merge(singles)
         return cls(tq, BatchKVCache.merge(denses), requests, bits, seed, heads, dim, dict(bits_kw))
 
     @classmethod
@@ -163,7 +168,7 @@ class Lockstep:
         dim: int = D,
         **bits_kw,
     ) -> Lockstep:
-        tq = BatchTurboQuantKVCache(list(left_padding), bits=bits, seed=seed, **bits_kw)
+        tq = Impl(list(left_padding), bits=bits, seed=seed, **bits_kw)
         requests = [Request.empty(heads, dim) for _ in left_padding]
         return cls(
             tq, BatchKVCache(list(left_padding)), requests, bits, seed, heads, dim, dict(bits_kw)
@@ -285,7 +290,7 @@ class Lockstep:
 
     def roundtrip(self):
         """Replace the cache under test with a copy rebuilt from state/meta_state."""
-        self.tq = BatchTurboQuantKVCache.from_state(self.tq.state, self.tq.meta_state)
+        self.tq = Impl.from_state(self.tq.state, self.tq.meta_state)
 
     # ------------------------------------------------------------ checks
 

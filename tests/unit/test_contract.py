@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch import BatchTurboQuantKVCache
-
 from .support import (
+    Impl,
     Lockstep,
     Request,
     assert_attention_matches,
@@ -35,13 +34,13 @@ def test_constructor_is_an_empty_batch(left_padding):
 
 
 def test_constructor_defaults():
-    tq = BatchTurboQuantKVCache([0, 3])
+    tq = Impl([0, 3])
     assert (tq.bits, tq.seed) == (4.0, 0)
 
 
 def test_constructor_copies_left_padding():
     padding = mx.array([1, 2])
-    tq = BatchTurboQuantKVCache(padding)
+    tq = Impl(padding)
     padding[0] = 9
     assert tq.left_padding.tolist() == [1, 2]
 
@@ -71,7 +70,7 @@ def test_merge_leaves_members_untouched(rng):
         members.append(c)
     offsets = [c.offset for c in members]
     before = [[np.array(a) for a in leaves(c.state)] for c in members]
-    batch = BatchTurboQuantKVCache.merge(members)
+    batch = Impl.merge(members)
     batch.update_and_fetch(normal(rng, (2, 2, 3, 64)), normal(rng, (2, 2, 3, 64)))
     batch.trim(2)
     batch.update_and_fetch(normal(rng, (2, 2, 1, 64)), normal(rng, (2, 2, 1, 64)))
@@ -88,7 +87,7 @@ def test_merge_of_trimmed_member_uses_its_offset_not_its_capacity(rng):
     member.update_and_fetch(k, v)
     member.trim(2)
     req.append(np.array(k[0, :, :4]), np.array(v[0, :, :4]))
-    batch = BatchTurboQuantKVCache.merge([member])
+    batch = Impl.merge([member])
     assert batch.size() == 4 and batch.offset.tolist() == [4]
     ref = req.reference(4.0, 0)
     assert packed_rows_equal(batch.state[0], 0, 0, 4, ref.state[0])
@@ -310,7 +309,7 @@ def test_trim(n, rng):
 
 
 def test_is_trimmable():
-    assert BatchTurboQuantKVCache([0, 0]).is_trimmable() is True
+    assert Impl([0, 0]).is_trimmable() is True
 
 
 # ------------------------------------------------------- size / empty / nbytes / dequantize
@@ -335,7 +334,7 @@ def test_size_empty_nbytes_dequantize(rng):
 
 def test_dequantize_of_an_empty_cache_raises():
     with pytest.raises(ValueError, match="empty"):
-        BatchTurboQuantKVCache([0]).dequantize()
+        Impl([0]).dequantize()
 
 
 def test_dequantize_with_unequal_key_and_value_bits(rng):
@@ -366,7 +365,7 @@ def test_state_and_meta_state_round_trip(pending, rng):
 
 def test_state_setter_on_an_existing_cache(rng):
     donor = Lockstep.merge([4, 2], rng)
-    target = BatchTurboQuantKVCache([0, 0])
+    target = Impl([0, 0])
     target.state = donor.tq.state
     target.meta_state = donor.tq.meta_state
     donor.tq = target
@@ -374,8 +373,8 @@ def test_state_setter_on_an_existing_cache(rng):
 
 
 def test_round_trip_of_an_empty_cache():
-    tq = BatchTurboQuantKVCache([2, 0], bits=3.0, seed=4)
-    restored = BatchTurboQuantKVCache.from_state(tq.state, tq.meta_state)
+    tq = Impl([2, 0], bits=3.0, seed=4)
+    restored = Impl.from_state(tq.state, tq.meta_state)
     assert restored.empty() and restored.size() == 0
     assert restored.left_padding.tolist() == [2, 0] and restored.offset.tolist() == [-2, 0]
     assert (restored.bits, restored.seed) == (3.0, 4)
