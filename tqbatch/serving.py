@@ -31,12 +31,14 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 from tqbatch.cache import BatchTurboQuantKVCache
 
 __all__ = [
+    "BatchableTurboQuantKVCache",
     "ContinuousBatcher",
     "FinishedRequest",
     "MaskGeometryError",
     "MaskWidthProbe",
     "Request",
     "cache_key_length",
+    "make_prompt_caches",
 ]
 
 
@@ -103,7 +105,7 @@ def cache_key_length(cache) -> int:
 
 
 class _ProbedLayer(nn.Module):
-    """Calls the wrapped block, then reports (mask, cache) to the probe."""
+    """Reports (mask, cache) to the probe before and after the wrapped block runs."""
 
     def __init__(self, block: nn.Module, index: int, probe: MaskWidthProbe):
         super().__init__()
@@ -112,17 +114,21 @@ class _ProbedLayer(nn.Module):
         self._probe = probe
 
     def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+        self._probe.before(self._index, x.shape[1], mask, cache)
         out = self.block(x, mask, cache, *args, **kwargs)
-        self._probe.observe(self._index, mask, cache)
+        self._probe.after(self._index, mask, cache)
         return out
 
 
 class MaskWidthProbe:
     """Checks, layer by layer, that the shared mask fits every layer's cache.
 
-    After a layer has written its new keys, an array mask must be exactly as
-    wide as the keys the cache returned, and every layer of one forward must
-    receive the very mask object built for layer 0.
+    Every layer of one forward must receive the very mask object built for
+    layer 0. An array mask for ``N`` new tokens must be as wide as the keys
+    the layer's cache held before the forward plus ``N`` (checked before the
+    layer runs, so a mismatch is reported as such rather than as a broadcast
+    error deep inside attention), and as wide as the keys it holds after
+    writing them.
     """
 
     def __init__(self, model: nn.Module):
@@ -135,7 +141,13 @@ class MaskWidthProbe:
                 raise ValueError("this model already carries a MaskWidthProbe")
             layers[i] = _ProbedLayer(block, i, self)
 
-    def observe(self, index: int, mask, cache):
+    def _fail(self, index: int, cache, width: int, keys: int, when: str):
+        raise MaskGeometryError(
+            f"layer {index} ({type(cache).__name__}): the shared mask has {width} columns, "
+            f"the cache {when} {keys} key slots"
+        )
+
+    def before(self, index: int, n_new: int, mask, cache):
         if index == 0:
             self._first_mask = mask
         elif mask is not self._first_mask:
@@ -145,12 +157,16 @@ class MaskWidthProbe:
             )
         if cache is None or not isinstance(mask, mx.array):
             return  # "causal" / None masks carry no width to disagree on
+        width, keys = mask.shape[-1], cache_key_length(cache) + n_new
+        if width != keys:
+            self._fail(index, cache, width, keys, f"will hold (with {n_new} new)")
+
+    def after(self, index: int, mask, cache):
+        if cache is None or not isinstance(mask, mx.array):
+            return
         width, keys = mask.shape[-1], cache_key_length(cache)
         if width != keys:
-            raise MaskGeometryError(
-                f"layer {index} ({type(cache).__name__}): mask has {width} columns, "
-                f"the cache holds {keys} key slots"
-            )
+            self._fail(index, cache, width, keys, "holds")
         self.checks += 1
 
     def remove(self):
@@ -159,6 +175,52 @@ class MaskWidthProbe:
         for i, block in enumerate(layers):
             if isinstance(block, _ProbedLayer) and block._probe is self:
                 layers[i] = block.block
+
+
+class BatchableTurboQuantKVCache(TurboQuantKVCache):
+    """mlx-vlm's single-request ``TurboQuantKVCache`` that mlx-lm can batch.
+
+    mlx-lm's ``BatchGenerator`` batches per-request caches by calling
+    ``caches[0][layer].merge(...)`` (``mlx_lm.generate._merge_caches``), the way
+    ``KVCache.merge`` builds a ``BatchKVCache``. mlx-vlm's class has no
+    ``merge``, so this subclass adds the one that builds a tqbatch batch; all
+    else (quantization, attention) is the parent's, unchanged.
+    """
+
+    @classmethod
+    def merge(cls, caches) -> BatchTurboQuantKVCache:
+        return BatchTurboQuantKVCache.merge(caches)
+
+    @classmethod
+    def from_cache(cls, cache: TurboQuantKVCache) -> BatchableTurboQuantKVCache:
+        """The same cache (same arrays, codecs, offset) as this class.
+
+        For re-inserting what ``BatchTurboQuantKVCache.extract`` returned (a
+        plain ``TurboQuantKVCache``) into a ``BatchGenerator``.
+        """
+        if isinstance(cache, BatchTurboQuantKVCache) or not isinstance(cache, TurboQuantKVCache):
+            raise TypeError(
+                f"from_cache expects a single-request TurboQuantKVCache, got {type(cache).__name__}"
+            )
+        out = cls.__new__(cls)
+        out.__dict__.update(cache.__dict__)
+        return out
+
+
+def make_prompt_caches(
+    n_layers: int, *, bits: float = 4.0, seed: int = 0, dense_layers: Sequence[int] | None = None
+) -> list:
+    """Per-request caches for mlx-lm's ``BatchGenerator`` (a model's ``make_cache()``).
+
+    TurboQuant everywhere except ``dense_layers`` (default: the last layer),
+    which get mlx-lm's ``KVCache``; merged, they become a
+    ``BatchTurboQuantKVCache`` and a ``BatchKVCache``.
+    """
+    dense = {n_layers - 1} if dense_layers is None else set(dense_layers)
+    return [
+        KVCache() if i in dense else BatchableTurboQuantKVCache(bits=bits, seed=seed)
+        for i in range(n_layers)
+    ]
 
 
 DraftProposer = Callable[[Request, int], Sequence[int]]

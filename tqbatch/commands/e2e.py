@@ -35,12 +35,14 @@ __all__ = [
     "LOGITS_ATOL",
     "ModelSpec",
     "ReferenceRun",
+    "ScenarioReferences",
     "ScenarioResult",
     "build_model",
     "reference_run",
     "register",
     "run",
     "run_scenario",
+    "scenario_references",
 ]
 
 # Batched and single-request logits may differ only by float32 summation
@@ -239,6 +241,44 @@ def _oracle_proposer(references: dict[str, ReferenceRun], vocab: int, errors: di
     return propose
 
 
+@dataclass
+class ScenarioReferences:
+    """The scenario's prompts and every request decoded alone."""
+
+    prompts: dict[str, list[int]]
+    budget: dict[str, int]
+    runs: dict[str, ReferenceRun]
+    seconds: float
+
+
+def scenario_references(
+    model, spec: ModelSpec, *, bits: float = 4.0, seed: int = 0, prompt_seed: int = 0
+) -> ScenarioReferences:
+    """Draw the scenario's prompts and decode each request alone.
+
+    One step more than each budget: a finished request is resumed from its
+    extracted caches for one step and compared with that extra row.
+    """
+    clock = time.perf_counter()
+    rng = np.random.default_rng(prompt_seed)
+    prompts = {
+        uid: [int(t) for t in rng.integers(1, spec.vocab_size, size=n)] for uid, n, _ in REQUESTS
+    }
+    budget = {uid: m for uid, _, m in REQUESTS}
+    runs = {
+        uid: reference_run(
+            model,
+            prompts[uid],
+            budget[uid] + 1,
+            bits=bits,
+            seed=seed,
+            dense_layers=[spec.num_layers - 1],
+        )
+        for uid in prompts
+    }
+    return ScenarioReferences(prompts, budget, runs, time.perf_counter() - clock)
+
+
 def run_scenario(
     spec: ModelSpec = ModelSpec(),
     *,
@@ -247,9 +287,12 @@ def run_scenario(
     prompt_seed: int = 0,
     batch_cache_class: type | None = None,
     model=None,
+    references: ScenarioReferences | None = None,
 ) -> ScenarioResult:
     """Run the server-like scenario and compare every request with its reference.
 
+    ``model`` and ``references`` may be passed in to share them between runs
+    (they must come from the same ``spec``, bits, seed and prompt seed).
     Raises whatever the cache raises (a broken cache may crash the model), and
     ``tqbatch.serving.MaskGeometryError`` when a layer disagrees with the mask.
     """
@@ -258,31 +301,19 @@ def run_scenario(
     model = model if model is not None else build_model(spec)
     result.seconds["build model"] = time.perf_counter() - clock
 
-    rng = np.random.default_rng(prompt_seed)
-    prompts = {
-        uid: [int(t) for t in rng.integers(1, spec.vocab_size, size=n)] for uid, n, _ in REQUESTS
-    }
-    budget = {uid: m for uid, _, m in REQUESTS}
+    if references is None:
+        references = scenario_references(model, spec, bits=bits, seed=seed, prompt_seed=prompt_seed)
+    result.seconds["references (alone)"] = references.seconds
+    prompts, budget = references.prompts, references.budget
     dense = [spec.num_layers - 1]
-
-    clock = time.perf_counter()
-    # One more step than the budget: the finished request is resumed from its
-    # extracted caches for one step and compared with this extra row.
-    references = {
-        uid: reference_run(
-            model, prompts[uid], budget[uid] + 1, bits=bits, seed=seed, dense_layers=dense
-        )
-        for uid in prompts
-    }
-    result.seconds["references (alone)"] = time.perf_counter() - clock
     result.min_reference_margin = min(
-        ref.min_margin(budget[uid] + 1) for uid, ref in references.items()
+        ref.min_margin(budget[uid] + 1) for uid, ref in references.runs.items()
     )
 
     kwargs = {} if batch_cache_class is None else {"batch_cache_class": batch_cache_class}
     server = ContinuousBatcher(model, bits=bits, seed=seed, dense_layers=dense, **kwargs)
     requests = {uid: Request(uid, prompts[uid], budget[uid]) for uid in prompts}
-    propose = _oracle_proposer(references, spec.vocab_size, DRAFT_ERRORS)
+    propose = _oracle_proposer(references.runs, spec.vocab_size, DRAFT_ERRORS)
 
     def log(event: str):
         rows = ",".join(r.uid for r in server.active) or "-"
@@ -324,7 +355,7 @@ def run_scenario(
 
     clock = time.perf_counter()
     for uid, req in requests.items():
-        ref = references[uid]
+        ref = references.runs[uid]
         n = req.max_new_tokens
         result.tokens_match[uid] = req.tokens == ref.tokens[:n]
         diffs = [float(mx.abs(a - b).max()) for a, b in zip(req.logits, ref.logits[:n])]
