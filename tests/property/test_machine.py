@@ -1,0 +1,6 @@
+"""The state machine against the target under test ($TQBATCH_IMPL / --impl, default tqbatch's own)."""
+
+from tqbatch.testing.stateful import machine_test_case
+
+# Runs under the active Hypothesis profile (`ci` when CI is set, else `dev`).
+TestBatchCacheMachine = machine_test_case()

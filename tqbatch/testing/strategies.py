@@ -1,0 +1,197 @@
+"""Hypothesis strategies for op dicts of the vocabulary in docs/ops.md.
+
+Each strategy draws plain JSON-able dicts (or lists of them) sized for a
+2-core CPU: at most ``MAX_ROWS`` rows, short prompts, blocks of a few tokens.
+Strategies that depend on the current batch take its geometry as arguments;
+they never look at a cache.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+__all__ = [
+    "MAX_ROWS",
+    "MAX_PROMPT",
+    "configs",
+    "seeds",
+    "merge_op",
+    "left_padded_prefill_ops",
+    "right_padded_prefill_ops",
+    "first_batch_ops",
+    "other_batch_ops",
+    "attend_op",
+    "filter_indices",
+    "bad_input_op",
+]
+
+MAX_ROWS = 4
+MAX_PROMPT = 10
+MAX_BLOCK = 4
+
+seeds = st.integers(0, 2**16)
+
+
+def configs():
+    """World configuration: bit width (integer and half), codec seed, K/V geometry."""
+    return st.fixed_dictionaries(
+        {
+            "bits": st.sampled_from([2.0, 3.0, 3.5, 4.0]),
+            "seed": st.integers(0, 2),
+            "kv_heads": st.sampled_from([1, 2]),
+            "head_dim": st.sampled_from([32, 64]),
+        }
+    )
+
+
+@st.composite
+def merge_op(draw, max_rows: int = MAX_ROWS):
+    """Merge of single requests, empty members (length 0) included."""
+    lengths = draw(st.lists(st.integers(0, MAX_PROMPT), min_size=1, max_size=max_rows))
+    return {"op": "merge", "lengths": lengths, "kv_seed": draw(seeds)}
+
+
+@st.composite
+def left_padded_prefill_ops(draw, max_rows: int = MAX_ROWS):
+    """Constructor, prepare(left_padding), then a prefill covering the padding."""
+    B = draw(st.integers(1, max_rows))
+    base = draw(st.lists(st.integers(0, 2), min_size=B, max_size=B))
+    extra = draw(st.lists(st.integers(0, 4), min_size=B, max_size=B))
+    tokens = max(p + e for p, e in zip(base, extra)) + draw(st.integers(1, 3))
+    return [
+        {"op": "new", "left_padding": base},
+        {"op": "prepare", "left_padding": extra, "right_padding": None},
+        {"op": "update", "tokens": tokens, "kv_seed": draw(seeds)},
+    ]
+
+
+@st.composite
+def right_padded_prefill_ops(draw, rows: int | None = None, max_rows: int = MAX_ROWS):
+    """prepare(right_padding) + prefill + finalize, on a new batch (rows=None) or on ``rows``."""
+    ops = []
+    if rows is None:
+        rows = draw(st.integers(1, max_rows))
+        ops.append({"op": "new", "left_padding": [0] * rows})
+    right = draw(st.lists(st.integers(0, 4), min_size=rows, max_size=rows))
+    tokens = max(right) + draw(st.integers(1, 3))
+    ops += [
+        {"op": "prepare", "left_padding": None, "right_padding": right},
+        {"op": "update", "tokens": tokens, "kv_seed": draw(seeds)},
+        {"op": "finalize"},
+    ]
+    return ops
+
+
+@st.composite
+def b1_decoded_ops(draw):
+    """A single request that decoded alone first (for late joins)."""
+    ops = [{"op": "merge", "lengths": [draw(st.integers(1, MAX_PROMPT))], "kv_seed": draw(seeds)}]
+    for _ in range(draw(st.integers(1, 3))):
+        ops.append({"op": "update", "tokens": 1, "kv_seed": draw(seeds)})
+    return ops
+
+
+def first_batch_ops(capabilities: dict, max_rows: int = MAX_ROWS):
+    """Ops that create a batch, using only what the target supports."""
+    options = [
+        st.lists(st.integers(0, 3), min_size=1, max_size=max_rows).map(
+            lambda lp: [{"op": "new", "left_padding": lp}]
+        )
+    ]
+    if capabilities.get("merge"):
+        options += [merge_op(max_rows).map(lambda op: [op]), b1_decoded_ops()]
+    if capabilities.get("prepare"):
+        options.append(left_padded_prefill_ops(max_rows))
+        if capabilities.get("finalize"):
+            options.append(right_padded_prefill_ops(None, max_rows))
+    return st.one_of(options)
+
+
+def other_batch_ops(capabilities: dict, max_rows: int = 2):
+    """The nested ops of an ``extend``: a second batch, possibly empty."""
+    empty = st.lists(st.integers(0, 3), min_size=1, max_size=max_rows).map(
+        lambda lp: [{"op": "new", "left_padding": lp}]
+    )
+    return st.one_of(empty, first_batch_ops(capabilities, max_rows))
+
+
+@st.composite
+def attend_op(draw, kv_heads: int, max_queries: int = MAX_BLOCK):
+    """A forward step: N queries (GQA: q_heads a multiple of kv_heads), N new tokens."""
+    n = draw(st.integers(1, max_queries))
+    op = {
+        "op": "attend",
+        "queries": n,
+        "q_heads": kv_heads * draw(st.sampled_from([1, 2])),
+        "q_seed": draw(seeds),
+        "kv_seed": draw(seeds),
+    }
+    if draw(st.integers(0, 3)) == 0:
+        op["window_size"] = draw(st.integers(1, 6))
+    return op
+
+
+@st.composite
+def filter_indices(draw, left_padding: list[int]):
+    """A non-empty subset of rows in any order; often keeps or drops the unpadded row."""
+    B = len(left_padding)
+    keep = draw(st.lists(st.integers(0, B - 1), min_size=1, max_size=B, unique=True))
+    zero_rows = [b for b, p in enumerate(left_padding) if p == 0]
+    if zero_rows and B > 1 and draw(st.booleans()):
+        # Drop every unpadded row: the compaction case (omlx #2172).
+        rest = [b for b in keep if b not in zero_rows] or [
+            b for b in range(B) if b not in zero_rows
+        ][:1]
+        keep = rest or keep
+    return keep
+
+
+@st.composite
+def bad_input_op(draw, batch_size: int, written: int, capabilities: dict, world_seed: int):
+    """An ``expect_error`` op whose inner op the contract requires to be rejected."""
+    B = batch_size
+    choices = [
+        ({"op": "update", "tokens": 1, "kv_seed": 0, "head_dim": 16}, "ValueError"),
+        ({"op": "update", "tokens": 1, "kv_seed": 0, "rows": B + 1}, "ValueError"),
+    ]
+    if capabilities.get("filter"):
+        choices += [
+            ({"op": "filter", "indices": [B]}, "IndexError"),
+            ({"op": "filter", "indices": [0, 0]}, "ValueError"),
+            ({"op": "filter", "indices": []}, "ValueError"),
+        ]
+    if capabilities.get("extract"):
+        choices.append(({"op": "extract", "index": B}, "IndexError"))
+    if capabilities.get("trim"):
+        choices.append(({"op": "trim", "n": -1}, "ValueError"))
+    if capabilities.get("prepare"):
+        choices += [
+            ({"op": "prepare", "left_padding": None, "right_padding": [-1] * B}, "ValueError"),
+            ({"op": "prepare", "left_padding": [0] * (B + 1), "right_padding": None}, "ValueError"),
+        ]
+        if written:
+            choices.append(
+                ({"op": "prepare", "left_padding": [1] * B, "right_padding": None}, "ValueError")
+            )
+    if capabilities.get("extend"):
+        other = [
+            {"op": "new", "left_padding": [0], "seed": world_seed + 1},
+            {"op": "update", "tokens": 2, "kv_seed": 1},
+        ]
+        choices += [
+            ({"op": "extend", "other": other}, "ValueError"),
+            (
+                {"op": "extend", "other": [{"op": "new", "left_padding": [0]}], "as_dense": True},
+                "TypeError",
+            ),
+        ]
+    if capabilities.get("merge"):
+        choices += [
+            (
+                {"op": "merge", "lengths": [2, 3], "kv_seed": 0, "member_seeds": [0, 1]},
+                "ValueError",
+            ),
+            ({"op": "merge", "lengths": [2, 1], "kv_seed": 0, "foreign": True}, "TypeError"),
+        ]
+    inner, error = draw(st.sampled_from(choices))
+    return {"op": "expect_error", "inner": inner, "error": error}
