@@ -1,0 +1,128 @@
+"""mlx-lm's own ``BatchGenerator`` drives tqbatch caches, unpatched.
+
+``BatchGenerator`` builds per-request caches with ``make_prompt_cache(model)``
+(the model's ``make_cache()``), merges them with ``caches[0][layer].merge``,
+prefills right-padded (``prepare`` + ``finalize``), joins batches with
+``extend``, and on finish calls ``extract`` then ``filter``. mlx-vlm's
+``TurboQuantKVCache`` has no ``merge``; ``BatchableTurboQuantKVCache`` adds the
+one that builds a ``BatchTurboQuantKVCache``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_vlm.turboquant import TurboQuantKVCache
+
+from tqbatch import BatchTurboQuantKVCache
+from tqbatch.commands.e2e import LOGITS_ATOL, reference_run
+from tqbatch.serving import BatchableTurboQuantKVCache, MaskWidthProbe, make_prompt_caches
+
+from .conftest import BITS, SEED, SPEC
+
+DENSE = [SPEC.num_layers - 1]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [100, 200, 300, 400, 5, 6, 7, 8, 9, 10, 11]]
+MAX_TOKENS = [6, 4, 5]
+
+
+@pytest.fixture
+def probed(model, monkeypatch):
+    """The model with tqbatch ``make_cache`` and the mask-width probe installed."""
+    monkeypatch.setattr(
+        model,
+        "make_cache",
+        lambda: make_prompt_caches(SPEC.num_layers, bits=BITS, seed=SEED),
+        raising=False,
+    )
+    probe = MaskWidthProbe(model)
+    yield model, probe
+    probe.remove()
+
+
+def _drain(gen, late=None):
+    """Run ``gen`` to completion; insert ``late`` after the second step. Returns per uid."""
+    tokens, logprobs, caches, step = {}, {}, {}, 0
+    while responses := gen.next_generated():
+        step += 1
+        if step == 2 and late is not None:
+            late()
+        for r in responses:
+            tokens.setdefault(r.uid, []).append(r.token)
+            logprobs.setdefault(r.uid, []).append(r.logprobs)
+            if r.finish_reason is not None:
+                caches[r.uid] = r.prompt_cache
+    return tokens, logprobs, caches
+
+
+def _assert_matches_alone(model, history, tokens, logprobs):
+    ref = reference_run(model, history, len(tokens), bits=BITS, seed=SEED, dense_layers=DENSE)
+    assert tokens == ref.tokens
+    for mine, logits in zip(logprobs, ref.logits):
+        alone = logits - mx.logsumexp(logits)
+        # Same reason as LOGITS_ATOL: same packed codes, only float32 order differs.
+        assert mx.abs(mine - alone).max().item() <= LOGITS_ATOL
+
+
+def test_batch_generator_with_tqbatch_caches_equals_requests_alone(probed):
+    model, probe = probed
+    gen = BatchGenerator(model, max_tokens=8, prefill_batch_size=2, completion_batch_size=3)
+    gen.insert(PROMPTS[:2], max_tokens=MAX_TOKENS[:2])
+    tokens, logprobs, caches = _drain(
+        gen, late=lambda: gen.insert(PROMPTS[2:], max_tokens=MAX_TOKENS[2:])
+    )
+
+    assert sorted(tokens) == [0, 1, 2]
+    for uid, prompt in enumerate(PROMPTS):
+        assert len(tokens[uid]) == MAX_TOKENS[uid]
+        _assert_matches_alone(model, prompt, tokens[uid], logprobs[uid])
+        # extract(): the prompt and every returned token (all were fed).
+        held = len(prompt) + MAX_TOKENS[uid]
+        assert [type(c) for c in caches[uid]] == [TurboQuantKVCache] * 3 + [KVCache]
+        assert all(int(c.offset) == held for c in caches[uid])
+    assert probe.checks > 0
+
+
+def test_batch_generator_merges_into_tqbatch_and_batch_kv_caches(probed):
+    model, _ = probed
+    caches = [make_prompt_caches(SPEC.num_layers, bits=BITS, seed=SEED) for _ in range(2)]
+    merged = [caches[0][i].merge([c[i] for c in caches]) for i in range(SPEC.num_layers)]
+    assert [type(c) for c in merged] == [BatchTurboQuantKVCache] * 3 + [BatchKVCache]
+
+
+def test_extracted_caches_resume_a_conversation(probed):
+    """A finished request's caches, re-inserted with a follow-up, continue it exactly."""
+    model, _ = probed
+    gen = BatchGenerator(model, max_tokens=4, prefill_batch_size=2, completion_batch_size=2)
+    gen.insert(PROMPTS[:2], max_tokens=[4, 3])
+    first_tokens, _, first_caches = _drain(gen)
+
+    follow_ups = [[42, 43, 44], [7]]
+    resumed = [
+        [
+            BatchableTurboQuantKVCache.from_cache(c) if isinstance(c, TurboQuantKVCache) else c
+            for c in first_caches[uid]
+        ]
+        for uid in range(2)
+    ]
+    gen.insert(follow_ups, max_tokens=[3, 4], caches=resumed)
+    tokens, logprobs, _ = _drain(gen)
+
+    for (uid, new_uid), follow in zip(((0, 2), (1, 3)), follow_ups):
+        history = PROMPTS[uid] + first_tokens[uid] + follow
+        _assert_matches_alone(model, history, tokens[new_uid], logprobs[new_uid])
+
+
+def test_mlx_vlm_cache_alone_cannot_be_batched_by_mlx_lm(model, monkeypatch):
+    """Why the subclass exists: mlx_lm.generate._merge_caches needs ``merge``."""
+    monkeypatch.setattr(
+        model,
+        "make_cache",
+        lambda: [TurboQuantKVCache(bits=BITS, seed=SEED) for _ in range(SPEC.num_layers)],
+        raising=False,
+    )
+    gen = BatchGenerator(model, max_tokens=2)
+    gen.insert(PROMPTS[:2])
+    with pytest.raises(ValueError, match="does not yet support batching with history"):
+        gen.next_generated()
