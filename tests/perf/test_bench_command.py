@@ -1,0 +1,66 @@
+"""``tqbatch bench`` end to end (subprocess) and its table, on the small geometry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tqbatch import bench
+
+
+def _tqbatch(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
+    code = f"import sys; {prelude}from tqbatch.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_bench_prints_a_markdown_row_per_op_and_writes_the_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "ops.png"
+    done = _tqbatch("bench", "--ops", "trim", "filter", "--rounds", "1", "--plot", str(png))
+    assert done.returncode == 0, done.stderr
+    table = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| op | context | bits |")
+    ops = [line.split("|")[1].strip() for line in table[2:]]
+    # The small set is one geometry: each chosen op, then the B=1 overhead step.
+    assert ops == ["trim", "filter", "decode-overhead (B=1)"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_without_matplotlib_says_how_to_get_it(tmp_path):
+    # None in sys.modules makes `import matplotlib` raise ImportError.
+    done = _tqbatch(
+        "bench", "--plot", str(tmp_path / "x.png"), prelude="sys.modules['matplotlib'] = None; "
+    )
+    assert done.returncode == 2
+    assert "tqbatch[plot]" in done.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_bench_rejects_an_unloadable_impl():
+    done = _tqbatch("bench", "--impl", "no_such_module:Cache")
+    assert done.returncode == 2
+    assert "no_such_module" in done.stderr
+
+
+def _row(op, context, target, reference):
+    g = bench.Geometry(8, 8, 128, context, 4)
+    return bench.Row(op, g, target, reference, "BatchKVCache")
+
+
+def test_goals_follow_the_issue():
+    assert bench.goal(_row("prepare+finalize", 512, 1, 1)) == 1.0
+    assert bench.goal(_row("filter", 4096, 1, 1)) == 0.5
+    assert bench.goal(_row("filter", 512, 1, 1)) is None  # the 0.5x goal is set at 4096 only
+    assert bench.goal(_row("decode-overhead (B=1)", 512, 1, 1)) == 1.05
+    assert bench.goal(_row("decode", 4096, 1, 1)) is None
+
+
+def test_markdown_table_reports_ratio_and_verdict():
+    table = bench.markdown_table([_row("merge", 4096, 0.002, 0.010), _row("extend", 4096, 3, 2)])
+    lines = table.splitlines()
+    assert lines[2] == "| merge | 4096 | 4 | 2.00 | BatchKVCache | 10.00 | 0.20 | <= 0.5 met |"
+    assert lines[3].endswith("| 1.50 | <= 0.5 missed |")
