@@ -10,7 +10,7 @@ quantizes or dequantizes: they move packed bits, which keeps them exact.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
