@@ -295,12 +295,21 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------ admission
 
-    def admit_left_padded(self, requests: Sequence[Request]):
-        """Prefill ``requests`` as one left-padded batch, then join the running batch."""
+    def admit_left_padded(self, requests: Sequence[Request], *, via_prepare: bool = False):
+        """Prefill ``requests`` as one left-padded batch, then join the running batch.
+
+        The padding goes to the cache constructor, or with ``via_prepare`` to
+        ``prepare(left_padding=...)`` on caches built unpadded.
+        """
         requests = list(requests)
         longest = max(len(r.prompt) for r in requests)
         padding = [longest - len(r.prompt) for r in requests]
-        caches = self.batch_caches(padding)
+        if via_prepare:
+            caches = self.batch_caches([0] * len(requests))
+            for c in caches:
+                c.prepare(left_padding=padding)
+        else:
+            caches = self.batch_caches(padding)
         tokens = mx.array([[0] * p + r.prompt for p, r in zip(padding, requests)])
         logits = self._forward(tokens, caches)
         for row, r in enumerate(requests):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch.commands.e2e import LOGITS_ATOL, REQUESTS
+from tqbatch.commands.e2e import LOGITS_ATOL, REQUESTS, reference_run
+from tqbatch.serving import ContinuousBatcher, Request
 
-from .conftest import SPEC
+from .conftest import BITS, SEED, SPEC
 
 UIDS = [uid for uid, _, _ in REQUESTS]
 
@@ -54,3 +55,23 @@ def test_scenario_exercises_every_server_operation(scenario):
 
 def test_no_failures_reported(scenario):
     assert scenario.failures() == []
+
+
+def test_left_padding_through_prepare_equals_requests_alone(model, impl):
+    """``prepare(left_padding=...)`` on unpadded caches serves like the constructor."""
+    prompts = {"p": [9, 8, 7, 6, 5, 4], "q": [11, 12], "r": [300, 301, 302, 303]}
+    server = ContinuousBatcher(model, bits=BITS, seed=SEED, batch_cache_class=impl)
+    try:
+        requests = [Request(uid, p, 4) for uid, p in prompts.items()]
+        server.admit_left_padded(requests, via_prepare=True)
+        server.run_until_idle()
+    finally:
+        server.probe.remove()
+    assert server.probe.checks == server.forwards * SPEC.num_layers
+    for r in requests:
+        ref = reference_run(
+            model, r.prompt, 4, bits=BITS, seed=SEED, dense_layers=[SPEC.num_layers - 1]
+        )
+        assert r.tokens == ref.tokens
+        for mine, alone in zip(r.logits, ref.logits):
+            assert abs(mine - alone).max().item() <= LOGITS_ATOL  # reason at LOGITS_ATOL
