@@ -1,4 +1,4 @@
-"""The state machine against the target under test ($TQBATCH_IMPL / --impl, default tqbatch's own)."""
+"""The state machine against the target under test ($TQBATCH_IMPL or --impl; default tqbatch)."""
 
 from tqbatch.testing.stateful import machine_test_case
 

@@ -132,6 +132,11 @@ class World:
             request and batch.
         kv_heads, head_dim: K/V geometry.
         ids: request-id counter (shared with the nested worlds of ``extend``).
+        contract_checks: also check structural contract points that are not
+            geometry or content: no ``_idx`` attribute on a cache holding
+            packed (non-array) keys. mlx-vlm treats any cache with ``_idx`` as
+            a dense ``KVCache`` (e.g. ``mlx_vlm.models.lfm2`` speculative
+            rollback slices ``cache.keys[row, :, a:b, :]``).
 
     Attributes after ``apply``: ``ops`` (every op applied, in order, as dicts),
     ``last`` (what the last op returned: e.g. attention outputs, extracted
@@ -149,6 +154,7 @@ class World:
         kv_heads: int = 2,
         head_dim: int = 64,
         ids: Iterator[int] | None = None,
+        contract_checks: bool = True,
     ):
         self.impl = impl if impl is not None else load_impl()
         self.capabilities = capabilities(self.impl)
@@ -158,6 +164,7 @@ class World:
         self.resolved_bits = (probe.key_bits, probe.value_bits)
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self._ids = ids if ids is not None else itertools.count()
+        self.contract_checks = contract_checks
         self.target = None
         self.model = BatchModel(kv_heads, head_dim, self._ids)
         self.dense: DenseOracle | None = None
@@ -215,6 +222,8 @@ class World:
         if self.target is None:
             return
         op = self._op
+        if self.contract_checks:
+            self._check_contract(op)
         self._check_geometry(op)
         self._check_dense_matches_model(op)
         self._check_masks(op)
@@ -260,6 +269,7 @@ class World:
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             ids=self._ids,
+            contract_checks=self.contract_checks,
         )
 
     # ================================================================ ops
@@ -565,6 +575,15 @@ class World:
 
     # ================================================================ checks
 
+    def _check_contract(self, op):
+        keys = getattr(self.target, "keys", None)
+        if hasattr(self.target, "_idx") and not isinstance(keys, mx.array):
+            _fail(
+                op,
+                "the cache has an `_idx` attribute but no dense keys: mlx-vlm's speculative "
+                "rollback takes the dense-KVCache path on `_idx`",
+            )
+
     def _check_geometry(self, op):
         t, m, d = self.target, self.model, self.dense
         size = t.size()
@@ -643,8 +662,8 @@ class World:
                 if want is None or got.shape != want.shape:
                     _fail(
                         op,
-                        f"row {b} (request {rid}) holds {got.shape[1]} {name}, the reference "
-                        f"{0 if want is None else want.shape[1]}",
+                        f"row {b} (request {rid}) {name} have shape (H, T, D) {got.shape}, the "
+                        f"reference {None if want is None else want.shape}",
                     )
                 err = float(np.max(np.abs(got - want)))
                 if not err <= DEQUANT_TOL:

@@ -65,6 +65,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
     """Rules for every op of docs/ops.md; set ``impl`` with ``machine_for``."""
 
     impl: type | None = None
+    contract_checks: bool = True
     last_failure: Failure | None = None
     # How often each op ran in this process, for campaign summaries.
     op_counts: dict = {}
@@ -123,7 +124,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
         impl = type(self).impl or load_impl()
         self.config = config
         note(f"World({impl.__module__}:{impl.__qualname__}, **{json.dumps(config)})")
-        self.world = World(impl, **config)
+        self.world = World(impl, contract_checks=type(self).contract_checks, **config)
         self._run(*data.draw(tqs.first_batch_ops(self.caps), label="first batch"))
 
     # -------------------------------------------------------------- writes
@@ -152,6 +153,11 @@ class BatchCacheMachine(RuleBasedStateMachine):
     def right_padded_append(self, data):
         """prepare(right_padding) + block + finalize on the current batch."""
         ops = data.draw(tqs.right_padded_prefill_ops(rows=self.model.batch_size), label="ops")
+        B = self.model.batch_size
+        if self._has("filter") and B > 1 and data.draw(st.booleans(), label="filter pending"):
+            # A request finishes while right padding is pending.
+            keep = data.draw(tqs.filter_indices(self.model.left_padding), label="keep")
+            ops.insert(-1, {"op": "filter", "indices": keep})
         self._run(*ops)
 
     # -------------------------------------------------------------- reshaping
@@ -208,9 +214,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def bad_input(self, data):
         op = data.draw(
-            tqs.bad_input_op(
-                self.model.batch_size, self.model.end, self.caps, self.world.seed
-            ),
+            tqs.bad_input_op(self.model.batch_size, self.model.end, self.caps, self.world.seed),
             label="bad input",
         )
         self._run(op)
@@ -228,11 +232,14 @@ class BatchCacheMachine(RuleBasedStateMachine):
             raise
 
 
-def machine_for(impl: type | None = None) -> type[BatchCacheMachine]:
+def machine_for(
+    impl: type | None = None, *, contract_checks: bool = True
+) -> type[BatchCacheMachine]:
     """A ``BatchCacheMachine`` subclass bound to ``impl`` (default: ``load_impl()``).
 
     Warns ``UnsupportedOpsWarning`` naming the operations whose rules are
-    skipped because the class lacks them.
+    skipped because the class lacks them. ``contract_checks=False`` leaves
+    out the structural checks of ``World`` (see its docstring).
     """
     impl = impl if impl is not None else load_impl()
     missing = missing_capabilities(impl)
@@ -246,13 +253,19 @@ def machine_for(impl: type | None = None) -> type[BatchCacheMachine]:
     return type(
         f"BatchCacheMachine_{impl.__name__}",
         (BatchCacheMachine,),
-        {"impl": impl, "op_counts": {}, "pair_counts": {}, "last_failure": None},
+        {
+            "impl": impl,
+            "contract_checks": contract_checks,
+            "op_counts": {},
+            "pair_counts": {},
+            "last_failure": None,
+        },
     )
 
 
-def machine_test_case(impl: type | None = None):
+def machine_test_case(impl: type | None = None, *, contract_checks: bool = True):
     """A ``unittest.TestCase`` running the machine against ``impl`` under the active profile."""
-    return machine_for(impl).TestCase
+    return machine_for(impl, contract_checks=contract_checks).TestCase
 
 
 def failure_report(failure: Failure) -> str:

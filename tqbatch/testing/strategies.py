@@ -39,7 +39,9 @@ def configs():
             "bits": st.sampled_from([2.0, 3.0, 3.5, 4.0]),
             "seed": st.integers(0, 2),
             "kv_heads": st.sampled_from([1, 2]),
-            "head_dim": st.sampled_from([32, 64]),
+            # 80 at 3 bits packs to a width that is not a whole number of
+            # coordinates: codec rebuild from packed width fails there (omlx #577).
+            "head_dim": st.sampled_from([32, 64, 80]),
         }
     )
 

@@ -1,0 +1,163 @@
+"""Meta-tests of the harness helpers: the model, the oracles and the executor.
+
+Like array-api-tests' own tests of its helpers: a harness that agrees with
+itself but not with mlx-lm, or that cannot see a wrong target, is worthless.
+"""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mlx_lm.models.base import create_causal_mask
+from mlx_vlm.models.base import scaled_dot_product_attention
+from mlx_vlm.turboquant import TurboQuantKVCache
+
+import tqbatch
+from tqbatch.testing.impl import ImplSpecError, capabilities, load_impl
+from tqbatch.testing.model import attention, causal_mask
+from tqbatch.testing.ops import World, fp_attention_bound
+
+
+@given(
+    n=st.integers(1, 5),
+    end=st.integers(0, 12),
+    left_padding=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+    window=st.none() | st.integers(1, 8),
+)
+def test_model_mask_matches_mlx_lm(n, end, left_padding, window):
+    want = np.array(
+        create_causal_mask(n, offset=end, left_padding=mx.array(left_padding), window_size=window)
+    )
+    got = causal_mask(n, end, left_padding, window)
+    assert got.shape == want.shape
+    assert np.array_equal(got, want)
+
+
+def test_load_impl_sources(monkeypatch):
+    monkeypatch.delenv("TQBATCH_IMPL", raising=False)
+    assert load_impl() is tqbatch.BatchTurboQuantKVCache
+    monkeypatch.setenv("TQBATCH_IMPL", "mlx_vlm.turboquant:BatchTurboQuantKVCache")
+    from mlx_vlm.turboquant import BatchTurboQuantKVCache as Upstream
+
+    assert load_impl() is Upstream
+    assert load_impl("tqbatch:BatchTurboQuantKVCache") is tqbatch.BatchTurboQuantKVCache
+    for bad in ("tqbatch", "no_such_module:X", "tqbatch:Nope", "tqbatch:__version__", "math:sqrt"):
+        with pytest.raises(ImplSpecError, match="implementation"):
+            load_impl(bad)
+
+
+def test_capabilities_of_upstream():
+    from mlx_vlm.turboquant import BatchTurboQuantKVCache as Upstream
+
+    caps = capabilities(Upstream)
+    assert not caps["merge"] and not caps["prepare"] and not caps["finalize"]
+    assert caps["filter"] and caps["extend"] and caps["extract"] and caps["trim"]
+    assert all(capabilities(tqbatch.BatchTurboQuantKVCache).values())
+
+
+SCENARIO = [
+    {"op": "merge", "lengths": [3, 0, 5], "kv_seed": 1},
+    {"op": "attend", "queries": 1, "q_heads": 4, "q_seed": 2},
+    {"op": "extend", "other": [{"op": "new", "left_padding": [2]}]},
+    {"op": "attend", "queries": 3, "q_heads": 2, "q_seed": 3},
+    {"op": "filter", "indices": [3, 0]},
+    {"op": "attend", "queries": 2, "q_heads": 4, "q_seed": 4, "window_size": 2},
+]
+
+
+def run(impl, ops=SCENARIO, check=True):
+    world = World(impl, bits=3.0, seed=1)
+    for op in ops:
+        world.apply(op)
+        if check:
+            world.check()
+    return world
+
+
+def test_executor_accepts_the_reference_implementation():
+    world = run(tqbatch.BatchTurboQuantKVCache)
+    assert world.model.batch_size == 2
+
+
+class LeakyMask(tqbatch.BatchTurboQuantKVCache):
+    """Masks ignore left padding: rows attend to padding slots."""
+
+    def make_mask(self, N, return_array=False, window_size=None, **kwargs):
+        return create_causal_mask(N, offset=self.size(), window_size=window_size)
+
+
+class NoisyRows(tqbatch.BatchTurboQuantKVCache):
+    """Dequantized rows off by 1e-5: just above DEQUANT_TOL."""
+
+    def dequantize(self, keys_state=None, values_state=None):
+        k, v = super().dequantize(keys_state, values_state)
+        return k + 1e-5, v
+
+
+class FilterMutatesThenRaises(tqbatch.BatchTurboQuantKVCache):
+    """Bad input changes the geometry before the error is raised."""
+
+    def filter(self, batch_indices):
+        self.offset = self.offset + 1
+        super().filter(batch_indices)
+
+
+def test_executor_detects_wrong_mask():
+    with pytest.raises(AssertionError, match="make_mask"):
+        run(LeakyMask)
+
+
+def test_attention_check_sees_poisoned_padding_without_mask_check():
+    # No check() at all: the attend op alone must notice attention to padding.
+    with pytest.raises(AssertionError, match="attention of row"):
+        run(LeakyMask, check=False)
+
+
+def test_executor_detects_dequantization_drift():
+    with pytest.raises(AssertionError, match="dequantized keys differ"):
+        run(NoisyRows)
+
+
+def test_expect_error_detects_partial_mutation():
+    ops = SCENARIO[:2] + [
+        {"op": "expect_error", "inner": {"op": "filter", "indices": [9]}, "error": "IndexError"}
+    ]
+    with pytest.raises(AssertionError, match="changed the target's offset"):
+        run(FilterMutatesThenRaises, ops)
+
+
+def test_expect_error_detects_acceptance():
+    ops = SCENARIO[:1] + [
+        {"op": "expect_error", "inner": {"op": "filter", "indices": [0]}, "error": "IndexError"}
+    ]
+    with pytest.raises(AssertionError, match="accepted the op"):
+        run(tqbatch.BatchTurboQuantKVCache, ops)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_fp_attention_bound_holds_on_fresh_draws(bits):
+    """Re-sample the measurement behind fp_attention_bound (different draws)."""
+    rng = np.random.default_rng(2026 + bits)
+    worst = 0.0
+    for _ in range(40):
+        L, D = int(rng.integers(1, 49)), int(rng.choice([32, 64]))
+        N = int(rng.integers(1, min(L, 4) + 1))
+        k, v = (rng.standard_normal((1, 2, L, D)).astype(np.float32) for _ in range(2))
+        q = rng.standard_normal((1, 4, N, D)).astype(np.float32)
+        cache = TurboQuantKVCache(bits=bits, seed=int(rng.integers(0, 3)))
+        ks, vs = cache.update_and_fetch(mx.array(k), mx.array(v))
+        m = causal_mask(N, L - N, [0])
+        out = np.array(
+            scaled_dot_product_attention(
+                mx.array(q), ks, vs, cache=cache, scale=D**-0.5, mask=mx.array(m)
+            )
+        )
+        fp = attention(q[0], k[0], v[0], m[0, 0], D**-0.5)
+        worst = max(worst, math.sqrt(float(np.mean((out[0] - fp) ** 2))))
+    bound = fp_attention_bound(bits, bits)
+    assert worst <= bound
+    # And the bound is informative: attending to unrelated values is outside it.
+    assert bound < 0.8
