@@ -1,0 +1,70 @@
+"""``tqbatch record PATH...``: (re-)record golden scenarios, explicitly.
+
+Recording is never done by a test run: only this command (and the nox
+``golden -- --regen`` session, which calls it with ``--all``) writes ``.npz``
+recordings. It refuses to record a target that diverges from the oracles.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tqbatch.testing.impl import ImplSpecError, load_impl
+from tqbatch.testing.scenario import (
+    RecordError,
+    Scenario,
+    ScenarioError,
+    discover,
+    needs_recording,
+    record,
+)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "record",
+        help="record golden scenarios' expectations (.npz) from a target",
+        description=(
+            "Replay scenarios against the target with the live oracles and write their "
+            "recordings. By default only scenarios without an up-to-date recording are "
+            "recorded; --all re-records every one. Refuses if the target diverges from "
+            "the oracles (a recording must never pin a bug)."
+        ),
+    )
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="scenario .json or directory")
+    parser.add_argument(
+        "--all", action="store_true", help="re-record scenarios whose recording is up to date"
+    )
+    parser.add_argument(
+        "--impl",
+        metavar="MODULE:CLASS",
+        help="cache to record from (default: $TQBATCH_IMPL or tqbatch.BatchTurboQuantKVCache)",
+    )
+    parser.set_defaults(func=run)
+
+
+def record_paths(paths, *, everything: bool = False, impl: str | None = None) -> int:
+    """Record the scenarios under ``paths``; the exit code (0 ok, 1 refused, 2 bad input)."""
+    try:
+        cls = load_impl(impl)
+        scenarios = [Scenario.load(p) for p in discover(paths)]
+    except (ImplSpecError, ScenarioError) as err:
+        print(f"tqbatch record: {err}", file=sys.stderr)
+        return 2
+    refused = 0
+    for scenario in scenarios:
+        if not everything and not needs_recording(scenario):
+            print(f"up to date {scenario.path}")
+            continue
+        try:
+            npz = record(scenario, cls)
+        except RecordError as err:
+            print(f"REFUSED {err}", file=sys.stderr)
+            refused += 1
+            continue
+        print(f"recorded {npz}")
+    return 1 if refused else 0
+
+
+def run(args) -> int:
+    return record_paths(args.paths, everything=args.all, impl=args.impl)

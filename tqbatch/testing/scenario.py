@@ -1,0 +1,750 @@
+"""Golden scenarios: a named op sequence, replayable against any implementation.
+
+A scenario is two files side by side (format documented in tests/golden/README.md):
+
+* ``NAME.json``, plain JSON meant to be read and edited: ``name``,
+  ``description`` (the bug it pins and the upstream reference), ``upstream``,
+  ``kills`` (catalogued mutants of :mod:`tqbatch.testing.mutants` it must
+  fail against), ``config`` (kv_heads, head_dim, q_heads, dtype, bits,
+  seed), ``ops`` (the vocabulary of docs/ops.md, one op per line),
+  ``tolerances`` (one entry per recorded quantity, each with its reason) and
+  ``recording`` (what recorded it, where, and a digest of config + ops).
+* ``NAME.npz``, the recorded expectations after every op: offsets, left
+  padding, written end, masks, the raw packed bytes of ``state``, attention
+  outputs, extracted rows (packed bytes and dequantized).
+
+``replay`` runs the ops through :class:`tqbatch.testing.ops.World` (the
+live oracles: the numpy model, mlx-lm's ``BatchKVCache`` and per-request
+``TurboQuantKVCache`` references, checked after every op) and compares every
+observation with the recording. Recording happens only through ``record``
+(``tqbatch record``), never during a test run. ``write_failure`` turns an op
+sequence found by the property machine into an unrecorded scenario, which
+``tqbatch replay`` checks against the oracles alone until it is recorded.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import platform
+import re
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from tqbatch.testing.impl import load_impl
+from tqbatch.testing.ops import World, format_ops
+from tqbatch.testing.reference import to_numpy
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "Divergence",
+    "RecordError",
+    "ReplayResult",
+    "Scenario",
+    "ScenarioError",
+    "default_tolerances",
+    "discover",
+    "impl_spec",
+    "observe",
+    "platform_id",
+    "record",
+    "replay",
+    "write_failure",
+]
+
+FORMAT = 1
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "kv_heads": 2,
+    "head_dim": 64,
+    "q_heads": 4,
+    "dtype": "float32",
+    "bits": 4.0,
+    "seed": 0,
+}
+_CONFIG_KEYS = set(DEFAULT_CONFIG) | {"key_bits", "value_bits"}
+
+# make_mask forms recorded after every op: (N, window_size).
+MASK_FORMS = ((1, None), (3, None), (3, 2))
+
+_CROSS_PLATFORM_NOTE = (
+    "Not measured (no Metal machine here): Metal's fused quantize kernel and GPU matmuls "
+    "round differently from the CPU, so a coordinate within float32 rounding of a codebook "
+    "boundary can land in the neighbouring bucket."
+)
+
+
+def default_tolerances() -> dict[str, dict]:
+    """The tolerance table written into new scenarios, one entry per recorded quantity.
+
+    ``atol``/``rtol``: per element, ``|got - want| <= atol + rtol * |want|``; both 0
+    means bit-identical bytes. ``max_mismatch_fraction``: share of elements allowed
+    outside that bound. ``cross_platform`` replaces the entry when the replay runs on
+    another device/OS/architecture than the recording.
+    """
+    exact = {"atol": 0, "rtol": 0, "max_mismatch_fraction": 0}
+    packed_cross = {
+        "atol": 0,
+        "rtol": 0.001,
+        "max_mismatch_fraction": 0.02,
+        "reason": _CROSS_PLATFORM_NOTE + " Float16 norms may differ in their last bit "
+        "(rtol 1e-3 ~ one float16 ulp); up to 2% of packed words may hold a flipped "
+        "bucket. A geometry bug moves whole tokens: ~100% of a row's words.",
+    }
+    return {
+        "offset": {**exact, "reason": "integers: per-row lengths are exact"},
+        "left_padding": {**exact, "reason": "integers: per-row dead slots are exact"},
+        "size": {**exact, "reason": "integer: the written end is exact"},
+        "mask": {**exact, "reason": "booleans, a pure function of the geometry"},
+        "has_idx": {**exact, "reason": "boolean: the attribute exists or not"},
+        "trimmed": {**exact, "reason": "integer returned by trim()"},
+        "extract_length": {**exact, "reason": "integer: tokens of the extracted request"},
+        "state": {
+            **exact,
+            "reason": "TurboQuant codecs are fixed by (head_dim, bits, seed) and quantize "
+            "token by token, and reshaping moves packed bits without re-quantizing: the "
+            "written slots of every row are bit-identical on the recording platform "
+            "(padding slots are not compared: their content is unspecified).",
+            "cross_platform": packed_cross,
+        },
+        "extract_state": {
+            **exact,
+            "reason": "extract() copies packed bits: bit-identical to the batch row.",
+            "cross_platform": packed_cross,
+        },
+        "extract_dequantized": {
+            "atol": 1e-6,
+            "rtol": 0,
+            "max_mismatch_fraction": 0,
+            "reason": "same packed bits through the same codec: only float32 rounding of the "
+            "dequantize (measured 0.0 across processes on CPU); a flipped bucket or a "
+            "wrong token moves a coordinate by > 1e-2.",
+            "cross_platform": {
+                "atol": 1e-5,
+                "rtol": 0,
+                "max_mismatch_fraction": 0.02,
+                "reason": _CROSS_PLATFORM_NOTE + " 2% of coordinates may move by a bucket; "
+                "the rest by float32 rounding of a different rotation kernel.",
+            },
+        },
+        "attention": {
+            "atol": 1e-5,
+            "rtol": 0,
+            "max_mismatch_fraction": 0,
+            "reason": "same packed bits and mask through mlx-vlm's scaled_dot_product_attention; "
+            "an implementation may hand it a differently sized (masked) state, which reorders "
+            "float32 sums (~1e-6). A wrong or missing token moves outputs by > 1e-2. Only "
+            "queries at non-padding positions are compared.",
+            "cross_platform": {
+                "atol": 1e-3,
+                "rtol": 0,
+                "max_mismatch_fraction": 0,
+                "reason": _CROSS_PLATFORM_NOTE + " A flipped bucket moves one key or value "
+                "coordinate; averaged by softmax over the row it shifts outputs by well under "
+                "1e-3, while a poisoned (16x) or missing token moves them by > 1e-2.",
+            },
+        },
+    }
+
+
+class ScenarioError(ValueError):
+    """A scenario file that is malformed or cannot be replayed as written."""
+
+
+class RecordError(RuntimeError):
+    """Recording refused: the target diverged from the oracles."""
+
+
+# ---------------------------------------------------------------- the format
+
+
+@dataclass
+class Scenario:
+    """One golden scenario: the JSON document and, once recorded, its ``.npz``."""
+
+    name: str
+    description: str
+    ops: list[dict]
+    config: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_CONFIG))
+    upstream: list[str] = field(default_factory=list)
+    kills: list[str] = field(default_factory=list)
+    tolerances: dict[str, dict] = field(default_factory=default_tolerances)
+    recording: dict | None = None
+    path: Path | None = None
+
+    # -------------------------------------------------------------- files
+
+    @classmethod
+    def load(cls, path: str | Path) -> Scenario:
+        path = Path(path)
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ScenarioError(f"{path}: cannot read scenario JSON: {exc}") from exc
+        if doc.get("format") != FORMAT:
+            raise ScenarioError(f"{path}: format {doc.get('format')!r}, expected {FORMAT}")
+        missing = [
+            k for k in ("name", "description", "config", "ops", "tolerances") if k not in doc
+        ]
+        if missing:
+            raise ScenarioError(f"{path}: missing field(s) {missing}")
+        scenario = cls(
+            name=doc["name"],
+            description=doc["description"],
+            ops=doc["ops"],
+            config=doc["config"],
+            upstream=list(doc.get("upstream", [])),
+            kills=list(doc.get("kills", [])),
+            tolerances=doc["tolerances"],
+            recording=doc.get("recording"),
+            path=path,
+        )
+        scenario.validate()
+        return scenario
+
+    def validate(self):
+        where = self.path or self.name
+        unknown = set(self.config) - _CONFIG_KEYS
+        if unknown:
+            raise ScenarioError(f"{where}: unknown config key(s) {sorted(unknown)}")
+        missing = [k for k in DEFAULT_CONFIG if k not in self.config]
+        if missing:
+            raise ScenarioError(f"{where}: config lacks {missing}")
+        if self.config["dtype"] != "float32":
+            raise ScenarioError(
+                f"{where}: dtype {self.config['dtype']!r}: the op executor generates float32 K/V"
+            )
+        if not isinstance(self.ops, list) or not self.ops:
+            raise ScenarioError(f"{where}: ops must be a non-empty list")
+        for i, op in enumerate(self.ops):
+            if not isinstance(op, dict) or "op" not in op:
+                raise ScenarioError(f"{where}: op {i} is not an object with an 'op' key: {op!r}")
+        for quantity, tol in self.tolerances.items():
+            if not tol.get("reason"):
+                raise ScenarioError(f"{where}: tolerance {quantity!r} states no reason")
+
+    @property
+    def npz_path(self) -> Path:
+        if self.path is None:
+            raise ScenarioError(f"{self.name}: scenario has no file path")
+        return self.path.with_suffix(".npz")
+
+    def digest(self) -> str:
+        """SHA-256 of config + ops: a recording is stale once either is edited."""
+        canonical = json.dumps({"config": self.config, "ops": self.ops}, sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def to_json(self) -> str:
+        """The document, ops one per line so that a diff shows which op changed."""
+        head = {
+            "format": FORMAT,
+            "name": self.name,
+            "description": self.description,
+            "upstream": self.upstream,
+            "kills": self.kills,
+            "config": self.config,
+        }
+        parts = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in head.items()]
+        ops = format_ops(self.ops).replace("\n", "\n  ")
+        parts.append(f'  "ops": {ops}')
+        tolerances = ",\n".join(
+            f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in self.tolerances.items()
+        )
+        parts.append(f'  "tolerances": {{\n{tolerances}\n  }}')
+        if self.recording is None:
+            parts.append('  "recording": null')
+        else:
+            lines = ",\n".join(
+                f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in self.recording.items()
+            )
+            parts.append(f'  "recording": {{\n{lines}\n  }}')
+        return "{\n" + ",\n".join(parts) + "\n}\n"
+
+    def save(self, path: str | Path | None = None) -> Path:
+        if path is not None:
+            self.path = Path(path)
+        if self.path is None:
+            raise ScenarioError(f"{self.name}: no path to save to")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(self.to_json())
+        return self.path
+
+    def world(self, impl: type) -> World:
+        c = self.config
+        return World(
+            impl,
+            bits=c["bits"],
+            seed=c["seed"],
+            key_bits=c.get("key_bits"),
+            value_bits=c.get("value_bits"),
+            kv_heads=c["kv_heads"],
+            head_dim=c["head_dim"],
+        )
+
+    def resolved_ops(self) -> list[dict]:
+        """The ops as executed: ``attend`` ops without ``q_heads`` take ``config.q_heads``."""
+        return [_with_q_heads(op, self.config["q_heads"]) for op in self.ops]
+
+
+def _with_q_heads(op: dict, q_heads: int) -> dict:
+    op = dict(op)
+    if op["op"] == "attend":
+        op.setdefault("q_heads", q_heads)
+    elif op["op"] == "expect_error":
+        op["inner"] = _with_q_heads(op["inner"], q_heads)
+    elif op["op"] == "extend":
+        op["other"] = [_with_q_heads(o, q_heads) for o in op["other"]]
+    return op
+
+
+def discover(paths) -> list[Path]:
+    """Scenario JSON files named by ``paths`` (files, or directories searched recursively)."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found.extend(sorted(q for q in p.rglob("*.json") if _looks_like_scenario(q)))
+        elif p.is_file():
+            found.append(p)
+        else:
+            raise ScenarioError(f"{p}: no such file or directory")
+    return found
+
+
+def _looks_like_scenario(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+# ---------------------------------------------------------------- observing
+
+
+def platform_id() -> dict[str, str]:
+    """Where bits are produced: device type, OS and CPU architecture."""
+    return {
+        "device": str(mx.default_device().type).rsplit(".", 1)[-1],
+        "system": platform.system(),
+        "machine": platform.machine(),
+    }
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for dist in ("mlx", "mlx-lm", "mlx-vlm", "numpy", "tqbatch"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def impl_spec(impl: type) -> str:
+    return f"{impl.__module__}:{impl.__qualname__}"
+
+
+def _unwrap(state):
+    return getattr(state, "_state", state)
+
+
+def _packed_leaves(state, prefix: str) -> dict[str, np.ndarray]:
+    """Leaves of a packed state as raw numpy arrays (no dtype conversion: bytes matter)."""
+    state = _unwrap(state)
+    if state is None:
+        return {}
+    if hasattr(state, "_fields"):
+        items = zip(state._fields, state)
+    elif isinstance(state, (list, tuple)):
+        items = ((str(i), s) for i, s in enumerate(state))
+    else:
+        items = [("data", state)]
+    out = {}
+    for name, leaf in items:
+        if isinstance(leaf, mx.array):
+            mx.eval(leaf)
+            out[f"{prefix}.{name}"] = np.array(leaf, copy=True)
+        elif hasattr(leaf, "_fields") or isinstance(leaf, (list, tuple)):
+            out.update(_packed_leaves(leaf, f"{prefix}.{name}"))
+    return out
+
+
+def _ints(x) -> np.ndarray:
+    if isinstance(x, mx.array):
+        mx.eval(x)
+    return np.asarray(np.array(x), dtype=np.int64).reshape(-1)
+
+
+def observe(target) -> dict[str, np.ndarray]:
+    """What is recorded about a batch cache after every op."""
+    size = target.size()
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+        raise TypeError(f"size() returned {type(size).__name__} {size!r}, not an int")
+    out = {
+        "offset": _ints(target.offset),
+        "left_padding": _ints(target.left_padding),
+        "size": np.array([int(size)], dtype=np.int64),
+        "has_idx": np.array(hasattr(target, "_idx")),
+    }
+    for n, window in MASK_FORMS:
+        mask = to_numpy(target.make_mask(n, return_array=True, window_size=window))
+        out[f"mask.n{n}.w{window or 0}"] = mask.astype(bool)
+    state = target.state
+    if state is not None and len(state) >= 2:
+        out.update(_packed_leaves(state[0], "state.keys"))
+        out.update(_packed_leaves(state[1], "state.values"))
+    return out
+
+
+def _observe_op(world: World, op: dict, before: dict, result) -> dict[str, np.ndarray]:
+    """What an op itself yields: attention outputs, extracted rows, trim counts."""
+    kind = op["op"]
+    if kind == "attend":
+        out = np.array(result["attention"], dtype=np.float32)
+        # Outputs of padding queries are unspecified: NaN marks them unrecorded.
+        out = np.where(before["padded_queries"][:, None, :, None], np.float32(np.nan), out)
+        return {"attention": out}
+    if kind == "extract":
+        index = int(op["index"])
+        single = world.target.extract(index)  # extract leaves the target unchanged
+        obs = {"extract.length": np.array([result["length"]], dtype=np.int64)}
+        if result["length"]:
+            obs["extract.keys"] = np.array(result["keys"], dtype=np.float32)
+            obs["extract.values"] = np.array(result["values"], dtype=np.float32)
+            state = single.state
+            obs.update(_packed_leaves(state[0], "extract_state.keys"))
+            obs.update(_packed_leaves(state[1], "extract_state.values"))
+        return obs
+    if kind == "trim":
+        return {"trimmed": np.array([int(result)], dtype=np.int64)}
+    return {}
+
+
+def _quantity(key: str) -> str:
+    """The tolerance entry that governs a recorded key."""
+    if key == "extract.length":
+        return "extract_length"
+    if key.startswith("extract."):
+        return "extract_dequantized"
+    return key.split(".", 1)[0]
+
+
+# ---------------------------------------------------------------- comparing
+
+
+@dataclass
+class Divergence:
+    """One disagreement: at which op, in which quantity, and how."""
+
+    step: int
+    op: dict | None
+    quantity: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"op {self.step} {json.dumps(self.op)}" if self.op is not None else "scenario"
+        return f"{where}: [{self.quantity}] {self.message}"
+
+
+def _request_slots(array: np.ndarray, left_padding: np.ndarray) -> np.ndarray:
+    """The (row, slot) entries of a (B, H, T, ...) state leaf that hold request tokens.
+
+    Padding slots are left out: what an implementation keeps there is unspecified.
+    """
+    valid = np.arange(array.shape[2])[None, :] >= left_padding[:, None]
+    return np.moveaxis(array, 2, 1)[valid]
+
+
+def _compare(key: str, got: np.ndarray, want: np.ndarray, tol: dict, left_padding) -> str | None:
+    """None if ``got`` matches ``want`` under ``tol``; otherwise what is wrong."""
+    if got.shape != want.shape:
+        return f"shape {got.shape}, recorded {want.shape}"
+    if got.dtype != want.dtype:
+        return f"dtype {got.dtype}, recorded {want.dtype}"
+    if key.startswith("state.") and got.ndim >= 3 and left_padding is not None:
+        if left_padding.shape[0] != want.shape[0]:
+            return f"{want.shape[0]} rows, but {left_padding.shape[0]} recorded left paddings"
+        got, want = _request_slots(got, left_padding), _request_slots(want, left_padding)
+    if want.dtype.kind == "f":
+        # NaN in the recording marks an unspecified value (a padding query's output).
+        recorded = ~np.isnan(want)
+        if np.isnan(got[recorded]).any():
+            return "NaN where the recording has a value"
+        got, want = got[recorded], want[recorded]
+    atol, rtol = tol.get("atol", 0), tol.get("rtol", 0)
+    fraction = tol.get("max_mismatch_fraction", 0)
+    if atol == 0 and rtol == 0 and fraction == 0:
+        if np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes():
+            return None
+        bad = int(np.sum(got != want)) if got.size else 0
+        return f"not bit-identical: {bad} of {want.size} elements differ"
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    outside = np.abs(g - w) > atol + rtol * np.abs(w)
+    share = float(outside.mean()) if outside.size else 0.0
+    if share > fraction:
+        worst = float(np.max(np.abs(g - w))) if g.size else 0.0
+        return (
+            f"{int(outside.sum())} of {outside.size} elements outside atol={atol}, rtol={rtol} "
+            f"(max |diff| {worst:.3g}; allowed share {fraction})"
+        )
+    return None
+
+
+def _tolerance(tolerances: dict, quantity: str, cross_platform: bool) -> dict:
+    tol = tolerances.get(quantity)
+    if tol is None:
+        raise ScenarioError(f"no tolerance stated for recorded quantity {quantity!r}")
+    if cross_platform and "cross_platform" in tol:
+        return tol["cross_platform"]
+    return tol
+
+
+# ---------------------------------------------------------------- replaying
+
+
+@dataclass
+class ReplayResult:
+    """The outcome of one replay."""
+
+    scenario: Scenario
+    impl: str
+    divergences: list[Divergence] = field(default_factory=list)
+    skipped: str | None = None
+    compared_with_recording: bool = False
+    cross_platform: bool = False
+    observed: dict[str, np.ndarray] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.divergences and self.skipped is None
+
+    def summary(self) -> str:
+        name = self.scenario.name
+        if self.skipped:
+            return f"SKIP {name} [{self.impl}]: {self.skipped}"
+        against = "recording + oracles" if self.compared_with_recording else "oracles only"
+        if self.cross_platform:
+            against += " (cross-platform tolerances)"
+        head = f"{'PASS' if self.ok else 'FAIL'} {name} [{self.impl}] vs {against}"
+        head += f" in {self.seconds:.1f}s"
+        return "\n  ".join([head, *map(str, self.divergences)])
+
+
+def _step_key(step: int, key: str) -> str:
+    return f"{step:03d}.{key}"
+
+
+def replay(
+    scenario: Scenario | str | Path,
+    impl: type | str | None = None,
+    *,
+    use_recording: bool = True,
+) -> ReplayResult:
+    """Replay ``scenario`` against ``impl`` (default: ``load_impl()``).
+
+    Every op goes through the World (live oracles, checked after each op);
+    unless ``use_recording`` is false, every observation is also compared
+    with the recording. Stops at the first op that diverges. A recording
+    whose digest no longer matches the ops is reported as a divergence.
+    """
+    if not isinstance(scenario, Scenario):
+        scenario = Scenario.load(scenario)
+    impl = impl if isinstance(impl, type) else load_impl(impl)
+    result = ReplayResult(scenario, impl_spec(impl))
+    start = time.perf_counter()
+    recorded = None
+    if use_recording:
+        recorded = _load_recording(scenario, result)
+        if result.divergences:
+            return result
+    world = scenario.world(impl)
+    ops = scenario.resolved_ops()
+    unsupported = [op["op"] for op in ops if not world.supports(op)]
+    if unsupported:
+        result.skipped = f"the target lacks what op(s) {sorted(set(unsupported))} need"
+        return result
+    for step, op in enumerate(ops):
+        if not _run_step(world, step, op, scenario, recorded, result):
+            break
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _load_recording(scenario: Scenario, result: ReplayResult) -> dict | None:
+    rec = scenario.recording
+    if rec is None:
+        result.divergences.append(
+            Divergence(-1, None, "recording", "not recorded: run `tqbatch record` on it")
+        )
+        return None
+    if rec.get("digest") != scenario.digest():
+        result.divergences.append(
+            Divergence(
+                -1,
+                None,
+                "recording",
+                "stale: config or ops were edited after recording; re-record with `tqbatch record`",
+            )
+        )
+        return None
+    try:
+        with np.load(scenario.npz_path, allow_pickle=False) as npz:
+            recorded = {k: npz[k] for k in npz.files}
+    except OSError as exc:
+        result.divergences.append(Divergence(-1, None, "recording", f"cannot read: {exc}"))
+        return None
+    result.compared_with_recording = True
+    result.cross_platform = rec.get("platform") != platform_id()
+    return recorded
+
+
+def _run_step(world, step, op, scenario, recorded, result) -> bool:
+    before = {}
+    if op["op"] == "attend" and world.target is not None:
+        before["padded_queries"] = world.model.padding_slots(int(op["queries"]))
+    try:
+        value = world.apply(op)
+        world.check()
+    except ValueError as exc:  # World: an unknown op, or no batch yet
+        raise ScenarioError(f"{scenario.path or scenario.name}: op {step}: {exc}") from exc
+    except AssertionError as exc:
+        result.divergences.append(Divergence(step, op, "oracle", str(exc)))
+        return False
+    try:
+        obs = observe(world.target)
+        if op["op"] != "expect_error":
+            obs.update(_observe_op(world, op, before, value))
+    except Exception as exc:  # a target that cannot even be observed has diverged
+        result.divergences.append(
+            Divergence(
+                step, op, "observe", f"reading the target raised {type(exc).__name__}: {exc}"
+            )
+        )
+        return False
+    for key, array in obs.items():
+        result.observed[_step_key(step, key)] = array
+    if recorded is None:
+        return True
+    return _compare_step(step, op, obs, scenario, recorded, result)
+
+
+def _compare_step(step, op, obs, scenario, recorded, result) -> bool:
+    prefix = f"{step:03d}."
+    want_keys = {k[len(prefix) :] for k in recorded if k.startswith(prefix)}
+    missing = sorted(want_keys - set(obs))
+    extra = sorted(set(obs) - want_keys)
+    ok = True
+    if missing or extra:
+        result.divergences.append(
+            Divergence(
+                step, op, "recording", f"observed keys differ: missing {missing}, extra {extra}"
+            )
+        )
+        ok = False
+    left_padding = recorded.get(prefix + "left_padding")
+    for key in sorted(want_keys & set(obs)):
+        tol = _tolerance(scenario.tolerances, _quantity(key), result.cross_platform)
+        problem = _compare(key, obs[key], recorded[prefix + key], tol, left_padding)
+        if problem:
+            result.divergences.append(Divergence(step, op, _quantity(key), f"{key}: {problem}"))
+            ok = False
+    return ok
+
+
+# ---------------------------------------------------------------- recording
+
+
+def record(scenario: Scenario | str | Path, impl: type | str | None = None) -> Path:
+    """Replay against ``impl`` with the oracles and write the recording (``.npz``).
+
+    Refuses (``RecordError``) if the target diverges from the oracles: a
+    recording must never pin a bug. Updates the JSON's ``recording`` entry.
+    """
+    if not isinstance(scenario, Scenario):
+        scenario = Scenario.load(scenario)
+    result = replay(scenario, impl, use_recording=False)
+    if result.skipped:
+        raise RecordError(f"{scenario.name}: cannot record: {result.skipped}")
+    if result.divergences:
+        raise RecordError(
+            f"{scenario.name}: the target diverges from the oracles, refusing to record:\n  "
+            + "\n  ".join(map(str, result.divergences))
+        )
+    np.savez_compressed(scenario.npz_path, **result.observed)
+    scenario.recording = {
+        "npz": scenario.npz_path.name,
+        "impl": result.impl,
+        "platform": platform_id(),
+        "versions": _versions(),
+        "digest": scenario.digest(),
+    }
+    scenario.save()
+    return scenario.npz_path
+
+
+def needs_recording(scenario: Scenario) -> bool:
+    """True if the scenario has no recording, a stale one, or its ``.npz`` is missing."""
+    rec = scenario.recording
+    return rec is None or rec.get("digest") != scenario.digest() or not scenario.npz_path.exists()
+
+
+# ---------------------------------------------------------------- pinning failures
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_") or "failure"
+
+
+def config_from_world(world: World, q_heads: int | None = None) -> dict[str, Any]:
+    """The scenario config of a World (e.g. the property machine's)."""
+    config = dict(DEFAULT_CONFIG)
+    config.update(
+        kv_heads=world.kv_heads, head_dim=world.head_dim, bits=world.bits, seed=world.seed
+    )
+    if q_heads is not None:
+        config["q_heads"] = q_heads
+    for side in ("key_bits", "value_bits"):
+        if getattr(world, side) is not None:
+            config[side] = getattr(world, side)
+    return config
+
+
+def write_failure(
+    ops: list[dict],
+    config: dict[str, Any] | World | None,
+    directory: str | Path,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    error: str | None = None,
+) -> Path:
+    """Write a failing op sequence as an (unrecorded) scenario; returns the JSON path.
+
+    ``tqbatch replay PATH`` then reproduces the failure against the oracles.
+    Once the bug is fixed, ``tqbatch record PATH`` adds the recording and the
+    scenario can join tests/golden. Op dicts are deep-copied; ``config`` is a
+    dict of scenario config keys (missing ones take ``DEFAULT_CONFIG``) or a World.
+    """
+    if isinstance(config, World):
+        config = config_from_world(config)
+    merged = dict(DEFAULT_CONFIG)
+    merged.update(config or {})
+    ops = copy.deepcopy(list(ops))
+    digest = hashlib.sha256(json.dumps([merged, ops], sort_keys=True).encode()).hexdigest()[:10]
+    name = _slug(name) if name else f"failure_{digest}"
+    found = time.strftime("%Y-%m-%d")
+    text = description or (
+        f"Found by the property machine on {found}"
+        + (f": {error.splitlines()[0]}" if error else "")
+        + ". Edit this description: name the bug it pins and the upstream reference."
+    )
+    scenario = Scenario(name=name, description=text, ops=ops, config=merged)
+    scenario.validate()
+    return scenario.save(Path(directory) / f"{name}.json")
