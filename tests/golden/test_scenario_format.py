@@ -1,0 +1,171 @@
+"""The scenario machinery itself: recording, staleness, comparison, pinning failures, CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tqbatch.cli import main
+from tqbatch.testing import scenario as sc
+from tqbatch.testing.mutants import MUTANTS
+from tqbatch.testing.scenario import (
+    RecordError,
+    Scenario,
+    ScenarioError,
+    record,
+    replay,
+    write_failure,
+)
+
+GOLDEN = Path(__file__).parent
+SMALL = "16_size_is_written_end_int_at_batch"
+FILTER = "03_filter_zero_padding_row_one_survivor_omlx_2172"
+
+
+def _copy(name: str, directory: Path) -> Path:
+    for suffix in (".json", ".npz"):
+        shutil.copy(GOLDEN / f"{name}{suffix}", directory / f"{name}{suffix}")
+    return directory / f"{name}.json"
+
+
+def test_write_failure_pins_a_failing_sequence(tmp_path):
+    """A sequence that kills a mutant becomes a scenario that reproduces it in one call."""
+    ops = Scenario.load(GOLDEN / f"{FILTER}.json").ops
+    path = write_failure(ops, {"head_dim": 64}, tmp_path, error="left_padding is [4, 3]\n...")
+    scenario = Scenario.load(path)
+    assert scenario.ops == ops and scenario.recording is None
+    assert "left_padding is [4, 3]" in scenario.description
+    bad = replay(path, MUTANTS["FilterWithoutCompaction"], use_recording=False)
+    assert not bad.ok and bad.divergences[0].quantity == "oracle"
+    assert replay(path, use_recording=False).ok
+    # Without a recording a plain replay says so instead of passing.
+    unrecorded = replay(path)
+    assert not unrecorded.ok and "not recorded" in unrecorded.summary()
+    assert main(["replay", str(path)]) == 1
+    assert main(["replay", "--oracles-only", str(path)]) == 0
+    # Once fixed, one command records it.
+    assert main(["record", str(path)]) == 0
+    assert replay(path).ok
+
+
+def test_record_refuses_a_divergent_target_and_writes_nothing(tmp_path):
+    path = _copy(FILTER, tmp_path)
+    path.with_suffix(".npz").unlink()
+    before = path.read_text()
+    with pytest.raises(RecordError, match="refusing to record"):
+        record(path, MUTANTS["FilterWithoutCompaction"])
+    assert not path.with_suffix(".npz").exists()
+    assert path.read_text() == before
+
+
+def test_edited_ops_make_the_recording_stale(tmp_path):
+    path = _copy(SMALL, tmp_path)
+    doc = json.loads(path.read_text())
+    doc["ops"][1]["kv_seed"] += 1
+    path.write_text(json.dumps(doc))
+    result = replay(path)
+    assert not result.ok and "stale" in result.summary()
+    assert main(["record", str(path)]) == 0  # only stale ones are re-recorded
+    assert replay(path).ok
+
+
+def _tamper(path: Path, key_part: str, change) -> str:
+    npz = path.with_suffix(".npz")
+    with np.load(npz) as f:
+        data = {k: f[k] for k in f.files}
+    key = next(k for k in sorted(data) if key_part in k)
+    data[key] = change(data[key].copy())
+    np.savez_compressed(npz, **data)
+    return key
+
+
+def test_one_flipped_packed_bit_is_a_divergence(tmp_path):
+    """Bit-exactness is real: one bit of one recorded packed word fails the replay."""
+    path = _copy(SMALL, tmp_path)
+
+    def flip(a):
+        a[0, 0, -1, 0] ^= 1  # row 0's newest token: never padding
+        return a
+
+    key = _tamper(path, "state.keys.indices", flip)
+    result = replay(path)
+    assert not result.ok
+    assert result.divergences[0].quantity == "state" and key.split(".", 1)[1] in str(
+        result.divergences[0]
+    )
+
+
+def test_padding_slots_are_not_compared(tmp_path):
+    """What an implementation keeps in padding slots is unspecified."""
+    path = _copy(FILTER, tmp_path)
+
+    def scribble(a):
+        a[0, :, 0] = 7  # merge lengths [3, 7, 2]: row 0 has 4 padding slots
+        return a
+
+    _tamper(path, "000.state.keys.indices", scribble)
+    assert replay(path).ok
+
+
+def test_cross_platform_tolerances_apply_off_the_recording_platform(tmp_path, monkeypatch):
+    """A flipped bucket passes across platforms but not on the same one; a shift fails both."""
+    path = _copy(SMALL, tmp_path)
+
+    def flip(a):
+        a[0, 0, -1, 0] ^= 1
+        return a
+
+    _tamper(path, "000.state.keys.indices", flip)
+    assert not replay(path).ok
+    monkeypatch.setattr(sc, "platform_id", lambda: {"device": "gpu", "system": "Darwin"})
+    crossed = replay(path)
+    assert crossed.ok and crossed.cross_platform, crossed.summary()
+
+    def shift(a):
+        return np.roll(a, 1, axis=2)  # every token one slot late: a geometry bug
+
+    _tamper(path, "001.state.values.indices", shift)
+    assert not replay(path).ok
+
+
+def test_compare_reports_what_differs():
+    tol = {"atol": 1e-5, "rtol": 0, "max_mismatch_fraction": 0}
+    want = np.zeros((2, 3), dtype=np.float32)
+    assert sc._compare("attention", want + 1e-6, want, tol, None) is None
+    assert "outside" in sc._compare("attention", want + 1e-3, want, tol, None)
+    assert "shape" in sc._compare("attention", want[:1], want, tol, None)
+    nan = want.copy()
+    nan[0] = np.nan  # unrecorded (padding query): ignored
+    poked = (want + 7 * np.isnan(nan)).astype(np.float32)
+    assert sc._compare("attention", poked, nan, tol, None) is None
+    assert "NaN" in sc._compare("attention", nan[::-1].copy(), nan, tol, None)
+
+
+def test_malformed_scenarios_are_rejected(tmp_path):
+    path = _copy(SMALL, tmp_path)
+    doc = json.loads(path.read_text())
+    doc["tolerances"]["mask"]["reason"] = ""
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ScenarioError, match="reason"):
+        Scenario.load(path)
+    doc["tolerances"]["mask"]["reason"] = "booleans"
+    doc["config"]["dtype"] = "bfloat16"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ScenarioError, match="float32"):
+        Scenario.load(path)
+    assert main(["replay", str(path)]) == 2
+    assert main(["replay", str(tmp_path / "missing.json")]) == 2
+
+
+def test_replay_cli_exit_codes(tmp_path, capsys):
+    path = _copy(SMALL, tmp_path)
+    assert main(["replay", str(path)]) == 0
+    mutant = "tqbatch.testing.mutants:SizeAsArray"
+    assert main(["replay", "--impl", mutant, str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "not an int" in out
+    assert main(["replay", "--impl", "nowhere:Nothing", str(path)]) == 2
