@@ -525,6 +525,9 @@ class ReplayResult:
     def ok(self) -> bool:
         return not self.divergences and self.skipped is None
 
+    def __repr__(self) -> str:  # the observed arrays would drown a test report
+        return f"<ReplayResult {self.summary().splitlines()[0]}>"
+
     def summary(self) -> str:
         name = self.scenario.name
         if self.skipped:
