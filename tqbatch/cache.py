@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from numbers import Integral
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.base import create_causal_mask
 from mlx_vlm.turboquant import (
     TurboQuantKVCache,
@@ -57,6 +58,18 @@ def _padding_list(values, name: str, *, length: int | None = None) -> list[int]:
     if negative:
         raise ValueError(f"{name} must be non-negative, got {out}")
     return out
+
+
+def _check_integral_side_bits(key_bits, value_bits):
+    for name, side in (("key_bits", key_bits), ("value_bits", value_bits)):
+        # Fractional per-side bits make mlx-vlm pick outlier channels from the
+        # first tensor it sees: two requests would get different codecs and
+        # could not share a batch.
+        if side is not None and not math.isclose(float(side), round(float(side))):
+            raise ValueError(
+                f"{name}={side}: per-side bits must be integers (fractional "
+                "per-side codecs depend on the data and are not reproducible)"
+            )
 
 
 def _unwrap(state):
@@ -105,15 +118,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         padding = _padding_list(left_padding, "left_padding")
         if not padding:
             raise ValueError("left_padding must have one entry per row; got an empty list")
-        for name, side in (("key_bits", key_bits), ("value_bits", value_bits)):
-            # Fractional per-side bits make mlx-vlm pick outlier channels from
-            # the first tensor it sees: two requests would get different codecs
-            # and could not share a batch.
-            if side is not None and not math.isclose(side, round(side)):
-                raise ValueError(
-                    f"{name}={side}: per-side bits must be integers (fractional "
-                    "per-side codecs depend on the data and are not reproducible)"
-                )
+        _check_integral_side_bits(key_bits, value_bits)
         super().__init__(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
         self.left_padding = mx.array(padding, dtype=mx.int32)
         self.offset = -self.left_padding
@@ -376,9 +381,11 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             stop -= int(self._right_padding[idx].item())
         if self.keys is None or stop <= start:
             return single
-        row = mx.array([idx], dtype=mx.int32)
-        cut = lambda s: _packed.detach(  # noqa: E731
-            _packed.token_range(_packed.select_rows(s, row), start, stop)
+        # A contiguous copy of the row's slots: shares no buffer with the batch.
+        cut = (
+            lambda s: tree_map(  # noqa: E731
+                lambda a: mx.contiguous(a[idx : idx + 1, :, start:stop]), s
+            )
         )
         single.keys, single.values = cut(self.keys), cut(self.values)
         mx.eval(single.keys, single.values)
@@ -427,18 +434,10 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             raise ValueError(f"merge: members have different KV head counts {sorted(heads)}")
         ref_k = _unwrap(filled[0][0].keys)
         ref_v = _unwrap(filled[0][0].values)
-        rows_k, rows_v = [], []
-        for c, n in zip(caches, lengths):
-            if n == 0:
-                rows_k.append(_packed.zeros_like(ref_k, 1, longest))
-                rows_v.append(_packed.zeros_like(ref_v, 1, longest))
-                continue
-            k = _packed.token_range(_unwrap(c.keys), 0, n)
-            v = _packed.token_range(_unwrap(c.values), 0, n)
-            rows_k.append(_packed.pad_left(k, longest - n))
-            rows_v.append(_packed.pad_left(v, longest - n))
-        batch.keys = _packed.concat_rows(rows_k)
-        batch.values = _packed.concat_rows(rows_v)
+        keys = [_unwrap(c.keys) if n else None for c, n in zip(caches, lengths)]
+        values = [_unwrap(c.values) if n else None for c, n in zip(caches, lengths)]
+        batch.keys = _packed.right_aligned(keys, lengths, ref_k, longest)
+        batch.values = _packed.right_aligned(values, lengths, ref_v, longest)
         batch._end = longest
         batch.offset = batch.offset + longest
         mx.eval(batch.keys, batch.values, batch.offset)
@@ -506,6 +505,11 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
                     raise ValueError(
                         f"state {name} have {_packed.rows(s)} rows, offset has {len(offset)}"
                     )
+            shapes = [(_packed.heads(s), _packed.length(s)) for s in (keys, values)]
+            if shapes[0] != shapes[1]:
+                raise ValueError(
+                    f"state keys and values disagree on (heads, slots): {shapes[0]} vs {shapes[1]}"
+                )
         drift = [o for o, lp in zip(offset, left_padding) if o != end - lp]
         if drift:
             raise ValueError(
@@ -549,10 +553,12 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         end, bits, seed, key_bits, value_bits, key_dim, value_dim, pending = value
         end, seed, key_dim, value_dim = int(end), int(seed), int(key_dim), int(value_dim)
         keys = getattr(self, "keys", None)
-        written = _packed.length(keys) if keys is not None else 0
-        if end != written:
+        capacity = _packed.length(keys) if keys is not None else 0
+        implied = {o + lp for o, lp in zip(self.offset.tolist(), self.left_padding.tolist())}
+        if end > capacity or implied != {end}:
             raise ValueError(
-                f"meta_state written end {end} does not match the state's {written} slots"
+                f"meta_state written end {end} does not match the state "
+                f"({capacity} slots, offset + left_padding = {sorted(implied)})"
             )
         right = (
             _padding_list([int(p) for p in pending.split(",")], "right_padding")
@@ -563,6 +569,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             raise ValueError(
                 f"meta_state right padding {right} does not match {self.batch_size} rows"
             )
+        _check_integral_side_bits(key_bits, value_bits)
         # Validate the configuration on a scratch instance before touching self.
         probe = TurboQuantKVCache(
             bits=float(bits), seed=seed, key_bits=float(key_bits), value_bits=float(value_bits)
