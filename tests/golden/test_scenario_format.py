@@ -42,9 +42,12 @@ def test_write_failure_pins_a_failing_sequence(tmp_path):
     bad = replay(path, MUTANTS["FilterWithoutCompaction"], use_recording=False)
     assert not bad.ok and bad.divergences[0].quantity == "oracle"
     assert replay(path, use_recording=False).ok
-    # Without a recording a plain replay says so instead of passing.
+    # Without a recording a plain replay says so instead of passing, and
+    # still reproduces the failure against the oracles.
     unrecorded = replay(path)
     assert not unrecorded.ok and "not recorded" in unrecorded.summary()
+    reproduced = replay(path, MUTANTS["FilterWithoutCompaction"])
+    assert [d.quantity for d in reproduced.divergences] == ["recording", "oracle"]
     assert main(["replay", str(path)]) == 1
     assert main(["replay", "--oracles-only", str(path)]) == 0
     # Once fixed, one command records it.

@@ -555,7 +555,8 @@ def replay(
     Every op goes through the World (live oracles, checked after each op);
     unless ``use_recording`` is false, every observation is also compared
     with the recording. Stops at the first op that diverges. A recording
-    whose digest no longer matches the ops is reported as a divergence.
+    whose digest no longer matches the ops (or no recording at all) is
+    reported as a divergence, and the ops are still checked against the oracles.
     """
     if not isinstance(scenario, Scenario):
         scenario = Scenario.load(scenario)
@@ -564,9 +565,9 @@ def replay(
     start = time.perf_counter()
     recorded = None
     if use_recording:
+        # A missing or stale recording is a divergence, but the ops still run
+        # against the oracles, so that an unrecorded failure is reproduced.
         recorded = _load_recording(scenario, result)
-        if result.divergences:
-            return result
     world = scenario.world(impl)
     ops = scenario.resolved_ops()
     unsupported = [op["op"] for op in ops if not world.supports(op)]
