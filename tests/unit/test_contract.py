@@ -252,6 +252,23 @@ def test_extend_after_decode_on_both_sides(rng):
     a.check()
 
 
+@pytest.mark.parametrize("indices", [[0, 1], [2], [2, 0]], ids=str)
+def test_filter_while_right_padding_is_pending(indices, rng):
+    """A request leaves between a right-padded prefill and finalize(): the
+    survivors' pending padding must follow them."""
+    ls = Lockstep.new([0, 0, 0])
+    ls.prepare(right_padding=[2, 1, 3])
+    ls.update(rng, 6)
+    ls.filter(indices)
+    # mlx-lm's BatchKVCache.filter leaves its pending right padding unfiltered
+    # (it would roll the wrong rows): the oracle gets it filtered by hand.
+    ls.dense._right_padding = mx.array([[2, 1, 3][i] for i in indices])
+    ls.finalize()
+    ls.check()
+    assert_attention_matches(ls.attend(rng, 1))
+    ls.check()
+
+
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_extract(index, rng):
     ls = Lockstep.merge([5, 2, 3], rng)
