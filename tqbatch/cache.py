@@ -31,7 +31,7 @@ from mlx_vlm.turboquant import (
 
 from tqbatch import _packed
 
-__all__ = ["BatchTurboQuantKVCache"]
+__all__ = ["BatchTurboQuantKVCache", "BatchableTurboQuantKVCache"]
 
 
 def _int_list(values, name: str, *, length: int | None = None) -> list[int]:
@@ -364,14 +364,19 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             self.key_codec, self.value_codec = other.key_codec, other.value_codec
         self._invalidate()
 
-    def extract(self, idx: int) -> TurboQuantKVCache:
-        """Row ``idx`` as a single-request ``TurboQuantKVCache`` (its tokens only)."""
+    def extract(self, idx: int) -> BatchableTurboQuantKVCache:
+        """Row ``idx`` as a single-request cache holding its tokens only.
+
+        The result is a ``TurboQuantKVCache`` that also has ``merge``, so it
+        can be re-inserted wherever per-request caches are batched (mlx-lm's
+        ``BatchGenerator``).
+        """
         if isinstance(idx, bool) or not isinstance(idx, Integral):
             raise TypeError(f"extract index must be an int, got {type(idx).__name__}")
         B = self.batch_size
         if not 0 <= idx < B:
             raise IndexError(f"extract index {idx} out of range for a batch of {B} rows")
-        single = TurboQuantKVCache(
+        single = BatchableTurboQuantKVCache(
             bits=self.bits, seed=self.seed, key_bits=self.key_bits, value_bits=self.value_bits
         )
         single.key_codec, single.value_codec = self.key_codec, self.value_codec
@@ -613,3 +618,31 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
 
     def prefix_cache_restore(self, snapshot):
         raise NotImplementedError("restore single-request caches, then merge()")
+
+
+class BatchableTurboQuantKVCache(TurboQuantKVCache):
+    """mlx-vlm's single-request ``TurboQuantKVCache``, plus a ``merge`` into a tqbatch batch.
+
+    mlx-lm's ``BatchGenerator`` batches per-request caches by calling
+    ``caches[0][layer].merge(...)`` (``mlx_lm.generate._merge_caches``), as
+    ``KVCache.merge`` builds a ``BatchKVCache``. mlx-vlm's class has no
+    ``merge``; everything else (quantization, attention) is the parent's.
+    Use it as a model's ``make_cache()`` entry to run ``BatchGenerator`` on
+    tqbatch; ``BatchTurboQuantKVCache.extract`` returns it.
+    """
+
+    @classmethod
+    def merge(cls, caches) -> BatchTurboQuantKVCache:
+        return BatchTurboQuantKVCache.merge(caches)
+
+    @classmethod
+    def from_single(cls, cache: TurboQuantKVCache) -> BatchableTurboQuantKVCache:
+        """The same cache (same arrays, codecs, offset) as this class."""
+        if isinstance(cache, BatchTurboQuantKVCache) or not isinstance(cache, TurboQuantKVCache):
+            raise TypeError(
+                "from_single expects a single-request TurboQuantKVCache, got "
+                f"{type(cache).__name__}"
+            )
+        out = cls.__new__(cls)
+        out.__dict__.update(cache.__dict__)
+        return out

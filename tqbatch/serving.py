@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.cache import BatchTurboQuantKVCache
+from tqbatch.cache import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
 
 __all__ = [
     "BatchableTurboQuantKVCache",
@@ -175,36 +175,6 @@ class MaskWidthProbe:
         for i, block in enumerate(layers):
             if isinstance(block, _ProbedLayer) and block._probe is self:
                 layers[i] = block.block
-
-
-class BatchableTurboQuantKVCache(TurboQuantKVCache):
-    """mlx-vlm's single-request ``TurboQuantKVCache`` that mlx-lm can batch.
-
-    mlx-lm's ``BatchGenerator`` batches per-request caches by calling
-    ``caches[0][layer].merge(...)`` (``mlx_lm.generate._merge_caches``), the way
-    ``KVCache.merge`` builds a ``BatchKVCache``. mlx-vlm's class has no
-    ``merge``, so this subclass adds the one that builds a tqbatch batch; all
-    else (quantization, attention) is the parent's, unchanged.
-    """
-
-    @classmethod
-    def merge(cls, caches) -> BatchTurboQuantKVCache:
-        return BatchTurboQuantKVCache.merge(caches)
-
-    @classmethod
-    def from_cache(cls, cache: TurboQuantKVCache) -> BatchableTurboQuantKVCache:
-        """The same cache (same arrays, codecs, offset) as this class.
-
-        For re-inserting what ``BatchTurboQuantKVCache.extract`` returned (a
-        plain ``TurboQuantKVCache``) into a ``BatchGenerator``.
-        """
-        if isinstance(cache, BatchTurboQuantKVCache) or not isinstance(cache, TurboQuantKVCache):
-            raise TypeError(
-                f"from_cache expects a single-request TurboQuantKVCache, got {type(cache).__name__}"
-            )
-        out = cls.__new__(cls)
-        out.__dict__.update(cache.__dict__)
-        return out
 
 
 def make_prompt_caches(

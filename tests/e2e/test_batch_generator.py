@@ -16,9 +16,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch import BatchTurboQuantKVCache
+from tqbatch import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
 from tqbatch.commands.e2e import LOGITS_ATOL, reference_run
-from tqbatch.serving import BatchableTurboQuantKVCache, MaskWidthProbe, make_prompt_caches
+from tqbatch.serving import MaskWidthProbe, make_prompt_caches
 
 from .conftest import BITS, SEED, SPEC
 
@@ -79,7 +79,7 @@ def test_batch_generator_with_tqbatch_caches_equals_requests_alone(probed):
         _assert_matches_alone(model, prompt, tokens[uid], logprobs[uid])
         # extract(): the prompt and every returned token (all were fed).
         held = len(prompt) + MAX_TOKENS[uid]
-        assert [type(c) for c in caches[uid]] == [TurboQuantKVCache] * 3 + [KVCache]
+        assert [type(c) for c in caches[uid]] == [BatchableTurboQuantKVCache] * 3 + [KVCache]
         assert all(int(c.offset) == held for c in caches[uid])
     assert probe.checks > 0
 
@@ -99,13 +99,14 @@ def test_extracted_caches_resume_a_conversation(probed):
     first_tokens, _, first_caches = _drain(gen)
 
     follow_ups = [[42, 43, 44], [7]]
-    resumed = [
-        [
-            BatchableTurboQuantKVCache.from_cache(c) if isinstance(c, TurboQuantKVCache) else c
-            for c in first_caches[uid]
-        ]
-        for uid in range(2)
-    ]
+    # extract() returns caches BatchGenerator can merge again: no conversion.
+    resumed = [first_caches[uid] for uid in range(2)]
+    assert all(
+        isinstance(c, BatchableTurboQuantKVCache)
+        for layers in resumed
+        for c in layers
+        if isinstance(c, TurboQuantKVCache)
+    )
     gen.insert(follow_ups, max_tokens=[3, 4], caches=resumed)
     tokens, logprobs, _ = _drain(gen)
 

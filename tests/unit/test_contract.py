@@ -275,7 +275,11 @@ def test_extract(index, rng):
     ls.update(rng, 2)
     before = [np.array(a) for a in leaves(ls.tq.state)]
     single = ls.tq.extract(index)
-    assert type(single) is TurboQuantKVCache
+    # A single-request mlx-vlm cache that per-request batchers can merge again.
+    assert isinstance(single, TurboQuantKVCache)
+    assert not hasattr(single, "left_padding")
+    rebatched = type(single).merge([single])
+    assert rebatched.offset.tolist() == [len(ls.requests[index])]
     req = ls.requests[index]
     assert single.offset == len(req) and single.size() == len(req)
     ref = req.reference(4.0, 0)
