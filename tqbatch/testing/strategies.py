@@ -40,8 +40,9 @@ def configs():
             "seed": st.integers(0, 2),
             "kv_heads": st.sampled_from([1, 2]),
             # 80 at 3 bits packs to a width that is not a whole number of
-            # coordinates: codec rebuild from packed width fails there (omlx #577).
-            "head_dim": st.sampled_from([32, 64, 80]),
+            # coordinates: codec rebuild from packed width fails there (omlx #577),
+            # so it is drawn twice as often as the others.
+            "head_dim": st.sampled_from([32, 64, 80, 80]),
         }
     )
 
