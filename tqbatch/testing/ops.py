@@ -222,12 +222,19 @@ class World:
         if self.target is None:
             return
         op = self._op
-        if self.contract_checks:
-            self._check_contract(op)
-        self._check_geometry(op)
-        self._check_dense_matches_model(op)
-        self._check_masks(op)
-        self._check_rows(op)
+        try:
+            if self.contract_checks:
+                self._check_contract(op)
+            self._check_geometry(op)
+            self._check_dense_matches_model(op)
+            self._check_masks(op)
+            self._check_rows(op)
+        except AssertionError:
+            raise
+        except Exception as exc:
+            # A target that crashes while being read (size(), make_mask,
+            # dequantize) is a failed check, reported like any other.
+            _fail(op, f"reading the target raised {type(exc).__name__}: {exc}")
 
     # ============================================================ generation
 

@@ -153,10 +153,11 @@ def filter_indices(draw, left_padding: list[int]):
 def bad_input_op(draw, batch_size: int, written: int, capabilities: dict, world_seed: int):
     """An ``expect_error`` op whose inner op the contract requires to be rejected."""
     B = batch_size
-    choices = [
-        ({"op": "update", "tokens": 1, "kv_seed": 0, "head_dim": 16}, "ValueError"),
-        ({"op": "update", "tokens": 1, "kv_seed": 0, "rows": B + 1}, "ValueError"),
-    ]
+    choices = [({"op": "update", "tokens": 1, "kv_seed": 0, "rows": B + 1}, "ValueError")]
+    if written:
+        # Only once a write has fixed the head dim: an empty cache's first
+        # write may bring any head_dim.
+        choices.append(({"op": "update", "tokens": 1, "kv_seed": 0, "head_dim": 16}, "ValueError"))
     if capabilities.get("filter"):
         choices += [
             ({"op": "filter", "indices": [B]}, "IndexError"),
