@@ -1,0 +1,54 @@
+"""The main job end to end, as a user runs it: `tqbatch fuzz`, then `tqbatch replay`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+# Fails its first check (size() is an array), so the campaign and its
+# shrinking end within seconds.
+MUTANT = "tqbatch.testing.mutants:SizeAsArray"
+
+
+def _tqbatch(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tqbatch", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_fuzz_passes_on_tqbatch(tmp_path):
+    run = _tqbatch("fuzz", "--examples", "3", "--profile", "ci", "--out", "failures", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "failures" in run.stdout
+    assert not (tmp_path / "failures").exists() or not any((tmp_path / "failures").iterdir())
+
+
+def test_fuzz_failure_is_saved_and_replays(tmp_path):
+    run = _tqbatch(
+        "fuzz",
+        "--impl",
+        MUTANT,
+        "--examples",
+        "5",
+        "--profile",
+        "ci",
+        "--out",
+        "failures",
+        cwd=tmp_path,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "shrunk op sequence" in run.stdout + run.stderr
+    saved = sorted((tmp_path / "failures").glob("*.json"))
+    assert len(saved) == 1
+
+    # The saved scenario reproduces the failure against the mutant...
+    again = _tqbatch("replay", str(saved[0]), "--impl", MUTANT, cwd=tmp_path)
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "size()" in again.stdout + again.stderr
+    # ...and the correct cache passes the same ops against the live oracles.
+    fixed = _tqbatch("replay", str(saved[0]), "--oracles-only", cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
