@@ -6,6 +6,7 @@ import dataclasses
 import sys
 
 from tqbatch import bench
+from tqbatch.commands import add_impl_argument
 from tqbatch.testing.impl import ImplSpecError
 
 
@@ -20,11 +21,7 @@ def register(subparsers) -> None:
             "TurboQuantKVCache, and print a markdown table of ratios from this one run."
         ),
     )
-    parser.add_argument(
-        "--impl",
-        metavar="MODULE:CLASS",
-        help="cache under test (default: $TQBATCH_IMPL or tqbatch.BatchTurboQuantKVCache)",
-    )
+    add_impl_argument(parser)
     parser.add_argument(
         "--full",
         action="store_true",

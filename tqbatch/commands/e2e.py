@@ -29,6 +29,7 @@ from mlx_vlm.models.qwen2 import language as qwen2_language
 from mlx_vlm.models.qwen2.config import ModelConfig
 from mlx_vlm.turboquant import TurboQuantKVCache
 
+from tqbatch.commands import add_impl_argument
 from tqbatch.serving import ContinuousBatcher, Request
 
 __all__ = [
@@ -406,11 +407,7 @@ def register(subparsers) -> None:
     parser.add_argument("--model-seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompt tokens")
     parser.add_argument("--layers", type=int, default=4, help="transformer layers (last is dense)")
-    parser.add_argument(
-        "--impl",
-        default=None,
-        help="batch cache under test as module:Class (default: $TQBATCH_IMPL or tqbatch's own)",
-    )
+    add_impl_argument(parser, "batch cache under test")
     parser.set_defaults(func=run)
 
 

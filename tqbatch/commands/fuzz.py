@@ -21,6 +21,8 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tqbatch.commands import add_impl_argument
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 ROUND_EXAMPLES = 5  # examples per Hypothesis run: the time budget is checked between runs
 _ENV = "TQBATCH_FUZZ_SHARD"  # JSON settings of a pytest-xdist shard
@@ -35,7 +37,7 @@ def register(subparsers) -> None:
             "On failure, print the shrunk op sequence, save it as a scenario and exit 1."
         ),
     )
-    parser.add_argument("--impl", metavar="MODULE:CLASS", help="cache under test")
+    add_impl_argument(parser)
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--minutes", type=float, help="time budget (default: 2 minutes)")
     budget.add_argument("--examples", type=int, help="number of examples (machine runs)")

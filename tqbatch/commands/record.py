@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from tqbatch.commands import add_impl_argument
 from tqbatch.testing.impl import ImplSpecError, load_impl
 from tqbatch.testing.scenario import (
     RecordError,
@@ -35,11 +36,7 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--all", action="store_true", help="re-record scenarios whose recording is up to date"
     )
-    parser.add_argument(
-        "--impl",
-        metavar="MODULE:CLASS",
-        help="cache to record from (default: $TQBATCH_IMPL or tqbatch.BatchTurboQuantKVCache)",
-    )
+    add_impl_argument(parser, "cache to record from")
     parser.set_defaults(func=run)
 
 

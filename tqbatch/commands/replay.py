@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tqbatch.commands import add_impl_argument
 from tqbatch.testing.impl import ImplSpecError, load_impl
 from tqbatch.testing.scenario import ScenarioError, discover, replay
 
@@ -28,11 +29,7 @@ def register(subparsers) -> None:
         ),
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="scenario .json or directory")
-    parser.add_argument(
-        "--impl",
-        metavar="MODULE:CLASS",
-        help="cache under test (default: $TQBATCH_IMPL or tqbatch.BatchTurboQuantKVCache)",
-    )
+    add_impl_argument(parser)
     parser.add_argument(
         "--oracles-only",
         action="store_true",

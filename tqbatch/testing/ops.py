@@ -36,7 +36,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.testing.impl import capabilities, load_impl
+from tqbatch.testing.impl import OPS_BY_CAPABILITY, capabilities, load_impl
 from tqbatch.testing.model import BatchModel, attention
 from tqbatch.testing.reference import DenseOracle, TurboReferences, to_numpy
 
@@ -720,13 +720,8 @@ _HANDLERS = {
     "expect_error": (None, None),
 }
 
-_NEEDS = {
-    "merge": ("merge",),
-    "prepare": ("prepare",),
-    "finalize": ("finalize",),
-    "filter": ("filter",),
-    "extend": ("extend",),
-    "extract": ("extract",),
-    "trim": ("trim",),
-    "roundtrip": ("roundtrip",),
-}
+# Op -> capabilities it needs: the inverse of impl.OPS_BY_CAPABILITY.
+_NEEDS: dict[str, tuple[str, ...]] = {}
+for _capability, _ops in OPS_BY_CAPABILITY.items():
+    for _name in _ops:
+        _NEEDS[_name] = (*_NEEDS.get(_name, ()), _capability)
