@@ -273,9 +273,10 @@ def run(args) -> int:
                 contract_checks=not args.no_contract_checks,
             )
 
-    table = Table(title=f"tqbatch fuzz: {args.impl}")
+    table = Table(title="tqbatch fuzz summary")
     table.add_column("quantity")
     table.add_column("value", justify="right")
+    table.add_row("target", args.impl)
     table.add_row("examples", str(result.examples))
     table.add_row("ops", str(sum(result.op_counts.values())))
     table.add_row("seconds", f"{result.seconds:.0f}")
