@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
 import json
 import platform
 import re
 import time
-import zipfile
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -683,7 +681,7 @@ def record(scenario: Scenario | str | Path, impl: type | str | None = None) -> P
             f"{scenario.name}: the target diverges from the oracles, refusing to record:\n  "
             + "\n  ".join(map(str, result.divergences))
         )
-    _save_npz(scenario.npz_path, result.observed)
+    np.savez_compressed(scenario.npz_path, **result.observed)
     scenario.recording = {
         "npz": scenario.npz_path.name,
         "impl": result.impl,
@@ -693,21 +691,6 @@ def record(scenario: Scenario | str | Path, impl: type | str | None = None) -> P
     }
     scenario.save()
     return scenario.npz_path
-
-
-def _save_npz(path: Path, arrays: dict) -> None:
-    """``np.savez_compressed``, byte-reproducible: sorted members, a fixed timestamp.
-
-    numpy stamps each member with the current time, so re-recording identical
-    observations would still change the file in git.
-    """
-    with zipfile.ZipFile(path, "w") as archive:
-        for name in sorted(arrays):
-            member = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
-            member.compress_type = zipfile.ZIP_DEFLATED
-            buffer = io.BytesIO()
-            np.lib.format.write_array(buffer, np.asarray(arrays[name]), allow_pickle=False)
-            archive.writestr(member, buffer.getvalue())
 
 
 def needs_recording(scenario: Scenario) -> bool:
