@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -172,3 +173,20 @@ def test_replay_cli_exit_codes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "FAIL" in out and "not an int" in out
     assert main(["replay", "--impl", "nowhere:Nothing", str(path)]) == 2
+
+
+def test_recording_twice_gives_identical_bytes(tmp_path, monkeypatch):
+    """Re-recording unchanged observations must not change the file (no git noise)."""
+    path = _copy(SMALL, tmp_path)
+    npz = path.with_suffix(".npz")
+    now = time.time()
+    # An hour apart: a writer that stamps members with the clock would differ.
+    monkeypatch.setattr(time, "time", lambda: now)
+    record(path)
+    first = npz.read_bytes()
+    monkeypatch.setattr(time, "time", lambda: now + 3600)
+    record(path)
+    assert npz.read_bytes() == first
+    with np.load(npz) as recorded, np.load(GOLDEN / f"{SMALL}.npz") as shipped:
+        assert sorted(recorded.files) == sorted(shipped.files)
+        assert all(np.array_equal(recorded[k], shipped[k]) for k in shipped.files)
