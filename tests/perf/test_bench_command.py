@@ -64,3 +64,34 @@ def test_markdown_table_reports_ratio_and_verdict():
     lines = table.splitlines()
     assert lines[2] == "| merge | 4096 | 4 | 2.00 | BatchKVCache | 10.00 | 0.20 | <= 0.5 met |"
     assert lines[3].endswith("| 1.50 | <= 0.5 missed |")
+
+
+def test_bench_refuses_a_target_without_merge():
+    # mlx-vlm's own batch cache has no merge(), from which every workload starts.
+    done = _tqbatch("bench", "--impl", "mlx_vlm.turboquant:BatchTurboQuantKVCache")
+    assert done.returncode == 2
+    assert "has no merge" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_bench_skips_ops_the_target_lacks(tmp_path):
+    (tmp_path / "nofilter.py").write_text(
+        "from tqbatch import BatchTurboQuantKVCache\n"
+        "class NoFilter(BatchTurboQuantKVCache):\n"
+        "    filter = None\n"
+    )
+    done = _tqbatch(
+        "bench",
+        "--impl",
+        "nofilter:NoFilter",
+        "--ops",
+        "filter",
+        "trim",
+        "--rounds",
+        "1",
+        prelude=f"sys.path.insert(0, {str(tmp_path)!r}); ",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "lacks filter: not timed" in done.stderr
+    ops = [line.split("|")[1].strip() for line in done.stdout.splitlines()[4:] if "|" in line]
+    assert ops == ["trim", "decode-overhead (B=1)"]

@@ -7,7 +7,19 @@ import sys
 
 from tqbatch import bench
 from tqbatch.commands import add_impl_argument
-from tqbatch.testing.impl import ImplSpecError
+from tqbatch.testing.impl import ImplSpecError, capabilities
+
+# Capabilities (tqbatch.testing.impl.capabilities) each timed op needs besides merge.
+_NEEDS = {
+    "merge": (),
+    "extend": ("extend",),
+    "filter": ("filter",),
+    "extract": ("extract",),
+    "prepare+finalize": ("prepare", "finalize"),
+    "trim": ("trim",),
+    "decode": (),
+}
+assert set(_NEEDS) == set(bench.OPS)
 
 
 def register(subparsers) -> None:
@@ -56,6 +68,20 @@ def run(args) -> int:
     except ImplSpecError as err:
         print(f"tqbatch bench: {err}", file=sys.stderr)
         return 2
+    caps = capabilities(impl)
+    name = f"{impl.__module__}.{impl.__qualname__}"
+    if not caps.get("merge"):
+        print(
+            f"tqbatch bench: every workload starts from merge() of single-request caches; "
+            f"{name} has no merge",
+            file=sys.stderr,
+        )
+        return 2
+    runnable = [op for op in args.ops if all(caps.get(c) for c in _NEEDS[op])]
+    skipped = [op for op in args.ops if op not in runnable]
+    if skipped:
+        print(f"tqbatch bench: {name} lacks {', '.join(skipped)}: not timed", file=sys.stderr)
+    args.ops = runnable
     parameters = bench.FULL if args.full else bench.SMALL
     if args.rounds is not None:
         if args.rounds < 1:

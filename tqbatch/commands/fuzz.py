@@ -40,7 +40,11 @@ def register(subparsers) -> None:
     add_impl_argument(parser)
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--minutes", type=float, help="time budget (default: 2 minutes)")
-    budget.add_argument("--examples", type=int, help="number of examples (machine runs)")
+    budget.add_argument(
+        "--examples",
+        type=int,
+        help="number of examples (machine runs) to generate; shrinking a failure runs more",
+    )
     parser.add_argument(
         "--profile",
         default="nightly",
