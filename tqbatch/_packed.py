@@ -61,23 +61,26 @@ def zeros_like(state, batch: int, tokens: int):
     return tree_map(_zeros, state)
 
 
-def right_aligned(states: Sequence, lengths: Sequence[int], template, end: int):
-    """Stack single-row states into one batch, row ``i`` ending at slot ``end``.
+def right_aligned(blocks: Sequence[tuple], template, end: int):
+    """Stack blocks of rows into one batch, every row ending at slot ``end``.
 
-    Row ``i`` takes slots ``[0, lengths[i])`` of ``states[i]`` (``None`` for an
-    empty row) and is preceded by zeros. One zero allocation per leaf and one
-    write per row: half the copies of pad-then-concatenate.
+    ``blocks`` holds ``(state, rows, length)``: ``rows`` rows whose slots
+    ``[0, length)`` of ``state`` land at ``[end - length, end)``, preceded by
+    zeros (``state`` is ``None`` for rows with nothing written). One zero
+    allocation per leaf and one write per block: half the copies of
+    pad-then-concatenate.
     """
-    out = zeros_like(template, len(states), end)
-    for i, (state, n) in enumerate(zip(states, lengths)):
-        if state is None or n == 0:
-            continue
+    out = zeros_like(template, sum(rows for _, rows, _ in blocks), end)
+    first = 0
+    for state, n_rows, n in blocks:
+        if state is not None and n > 0:
 
-        def _write(dst, src, i=i, n=n):
-            dst[i : i + 1, :, end - n : end] = src[:, :, :n]
-            return dst
+            def _write(dst, src, first=first, n_rows=n_rows, n=n):
+                dst[first : first + n_rows, :, end - n : end] = src[:, :, :n]
+                return dst
 
-        out = tree_map(_write, out, state)
+            out = tree_map(_write, out, state)
+        first += n_rows
     return out
 
 

@@ -427,22 +427,27 @@ def memory_report(cache, geometry: Geometry) -> MemoryReport:
 # ---------------------------------------------------------------- plain timing
 
 
-def time_case(case: Case, rounds: int) -> float:
-    """Median wall-clock seconds of ``case.run`` over ``rounds`` fresh setups."""
-    samples = []
-    for _ in range(rounds):
-        args = case.setup()
-        # Free the last round's caches now, not inside the timed region.
-        gc.collect()
-        gc.disable()
-        try:
-            start = time.perf_counter()
-            case.run(*args)
-            samples.append(time.perf_counter() - start)
-        finally:
-            gc.enable()
-        del args
-    return statistics.median(samples)
+def _time_once(case: Case) -> float:
+    args = case.setup()
+    # Free the last round's caches now, not inside the timed region.
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        case.run(*args)
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
+
+
+def time_pair(first: Case, second: Case, rounds: int) -> tuple[float, float]:
+    """Median wall-clock seconds of two cases over ``rounds`` fresh setups each, alternating.
+
+    Alternating puts both sides under the same machine load, so a ratio is not
+    skewed by load that came and went while one side was being timed.
+    """
+    samples = [(_time_once(first), _time_once(second)) for _ in range(rounds)]
+    return tuple(statistics.median(side) for side in zip(*samples))
 
 
 @dataclass(frozen=True)
@@ -480,13 +485,7 @@ def compare(
                 progress(f"{op} {geometry.label}")
             target, baseline = (workload.case(op, side) for side in SIDES)
             rows.append(
-                Row(
-                    op,
-                    geometry,
-                    time_case(target, parameters.rounds),
-                    time_case(baseline, parameters.rounds),
-                    "BatchKVCache",
-                )
+                Row(op, geometry, *time_pair(target, baseline, parameters.rounds), "BatchKVCache")
             )
         if progress:
             progress(f"decode-overhead {geometry.label}")
@@ -495,8 +494,7 @@ def compare(
             Row(
                 "decode-overhead (B=1)",
                 geometry,
-                time_case(target, parameters.rounds),
-                time_case(parent, parameters.rounds),
+                *time_pair(target, parent, parameters.rounds),
                 "TurboQuantKVCache",
             )
         )

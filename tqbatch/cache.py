@@ -330,32 +330,29 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         self._check_same_config(other, "extend")
 
         end = max(self._end, other._end)
-        ref = self.keys if self.keys is not None else other.keys
-        ref_v = self.values if self.values is not None else other.values
-        parts_k, parts_v, paddings, offsets, pending = [], [], [], [], []
-        for side in (self, other):
-            shift = end - side._end
-            if ref is not None:
-                if side.keys is None:
-                    k = _packed.zeros_like(ref, side.batch_size, end)
-                    v = _packed.zeros_like(ref_v, side.batch_size, end)
-                else:
-                    k, v = side._written()
-                    k, v = _packed.pad_left(k, shift), _packed.pad_left(v, shift)
-                parts_k.append(k)
-                parts_v.append(v)
-            paddings.append(side.left_padding + shift)
-            offsets.append(side.offset)
-            pending.append(
-                side._right_padding
-                if side._right_padding is not None
-                else mx.zeros((side.batch_size,), dtype=mx.int32)
+        sides = (self, other)
+        if self.keys is not None or other.keys is not None:
+            ref = self if self.keys is not None else other
+            # Both sides' written slots, read before self is reassigned.
+            keys, values = zip(
+                *(side._written() if side.keys is not None else (None, None) for side in sides)
             )
+            blocks = lambda states: [  # noqa: E731
+                (state, side.batch_size, side._end) for state, side in zip(states, sides)
+            ]
+            template_k, template_v = ref.keys, ref.values
+            self.keys = _packed.right_aligned(blocks(keys), template_k, end)
+            self.values = _packed.right_aligned(blocks(values), template_v, end)
+        paddings = [side.left_padding + (end - side._end) for side in sides]
+        offsets = [side.offset for side in sides]
+        pending = [
+            side._right_padding
+            if side._right_padding is not None
+            else mx.zeros((side.batch_size,), dtype=mx.int32)
+            for side in sides
+        ]
         any_pending = self._right_padding is not None or other._right_padding is not None
 
-        if ref is not None:
-            self.keys = _packed.concat_rows(parts_k)
-            self.values = _packed.concat_rows(parts_v)
         self.left_padding = mx.concatenate(paddings)
         self.offset = mx.concatenate(offsets)
         self._right_padding = mx.concatenate(pending) if any_pending else None
@@ -439,10 +436,16 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             raise ValueError(f"merge: members have different KV head counts {sorted(heads)}")
         ref_k = _unwrap(filled[0][0].keys)
         ref_v = _unwrap(filled[0][0].values)
-        keys = [_unwrap(c.keys) if n else None for c, n in zip(caches, lengths)]
-        values = [_unwrap(c.values) if n else None for c, n in zip(caches, lengths)]
-        batch.keys = _packed.right_aligned(keys, lengths, ref_k, longest)
-        batch.values = _packed.right_aligned(values, lengths, ref_v, longest)
+        batch.keys = _packed.right_aligned(
+            [(_unwrap(c.keys) if n else None, 1, n) for c, n in zip(caches, lengths)],
+            ref_k,
+            longest,
+        )
+        batch.values = _packed.right_aligned(
+            [(_unwrap(c.values) if n else None, 1, n) for c, n in zip(caches, lengths)],
+            ref_v,
+            longest,
+        )
         batch._end = longest
         batch.offset = batch.offset + longest
         mx.eval(batch.keys, batch.values, batch.offset)
