@@ -91,6 +91,10 @@ SMALL = ParameterSet("small", 8, 8, 128, (512,), (4,), rounds=3)
 
 PERF_ENV = "TQBATCH_PERF"
 
+# A 5 % goal sits inside run-to-run noise at 5 rounds (ratios of 0.8-1.2 were
+# seen for identical work), so the decode-overhead pair gets more samples.
+OVERHEAD_ROUNDS_FACTOR = 3
+
 
 def selected_parameter_set() -> ParameterSet:
     """``FULL`` when ``$TQBATCH_PERF`` is ``full`` (the nox ``perf`` session), else ``SMALL``."""
@@ -494,7 +498,7 @@ def compare(
             Row(
                 "decode-overhead (B=1)",
                 geometry,
-                *time_pair(target, parent, parameters.rounds),
+                *time_pair(target, parent, OVERHEAD_ROUNDS_FACTOR * parameters.rounds),
                 "TurboQuantKVCache",
             )
         )

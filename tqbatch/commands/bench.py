@@ -95,7 +95,11 @@ def run(args) -> int:
         ops=args.ops,
         progress=lambda what: print(f"timing {what}", file=sys.stderr, flush=True),
     )
-    print(f"target: {impl.__module__}.{impl.__qualname__}; median of {parameters.rounds} rounds")
+    print(
+        f"target: {impl.__module__}.{impl.__qualname__}; median of {parameters.rounds} rounds"
+        f" ({bench.OVERHEAD_ROUNDS_FACTOR * parameters.rounds} for decode-overhead),"
+        " sides alternating"
+    )
     print()
     print(bench.markdown_table(rows))
     if args.plot:
