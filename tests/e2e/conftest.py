@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch.commands.e2e import ModelSpec, build_model, run_scenario, scenario_references
+from tqbatch.e2e import ModelSpec, build_model, run_scenario, scenario_references
 from tqbatch.testing.impl import load_impl
 
 SPEC = ModelSpec()  # 4 layers, hidden 256, 4 query / 2 KV heads, head_dim 64

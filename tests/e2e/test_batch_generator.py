@@ -17,7 +17,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
-from tqbatch.commands.e2e import LOGITS_ATOL, reference_run
+from tqbatch.e2e import LOGITS_ATOL, reference_run
 from tqbatch.serving import MaskWidthProbe, make_prompt_caches
 
 from .conftest import BITS, SEED, SPEC

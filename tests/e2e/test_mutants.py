@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch.commands.e2e import run_scenario
+from tqbatch.e2e import run_scenario
 from tqbatch.serving import MaskGeometryError
 from tqbatch.testing.mutants import MUTANTS
 

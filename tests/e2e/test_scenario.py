@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch.commands.e2e import LOGITS_ATOL, REQUESTS, reference_run
+from tqbatch.e2e import LOGITS_ATOL, REQUESTS, reference_run
 from tqbatch.serving import ContinuousBatcher, Request
 
 from .conftest import BITS, SEED, SPEC
