@@ -1,17 +1,10 @@
-"""``tqbatch e2e``: run :mod:`tqbatch.e2e`'s scenario and print its per-request report.
-
-Builds a small Qwen2 language model from mlx-vlm's own model code
-(``mlx_vlm.models.qwen2.language.Model``) with random weights made locally,
-drives it with :class:`tqbatch.serving.ContinuousBatcher` through every batch
-operation a server uses, and checks each request against the same request
-decoded alone with one single-request ``TurboQuantKVCache`` per layer (and a
-``KVCache`` for the dense last layer).
-"""
+"""``tqbatch e2e``: run :mod:`tqbatch.e2e`'s scenario and print its per-request report."""
 
 from __future__ import annotations
 
 import argparse
 
+import tqbatch.e2e
 from tqbatch.commands import add_impl_argument
 from tqbatch.e2e import LOGITS_ATOL, REQUESTS, ModelSpec, run_scenario
 
@@ -20,7 +13,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "e2e",
         help="continuous batching through a real mlx-vlm language model, checked per request",
-        description=__doc__.split("\n\n")[1],
+        # What the scenario does: the second paragraph of the module it runs.
+        description=tqbatch.e2e.__doc__.split("\n\n")[1],
     )
     parser.add_argument("--bits", type=float, default=4.0, help="TurboQuant bits (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="TurboQuant codec seed")
