@@ -3,7 +3,9 @@
 ``nox`` runs ``tests`` (what CI gates on); ``nox -s NAME`` runs another.
 Arguments after ``--`` go to the underlying command (pytest or ``tqbatch``).
 Each session builds its own virtualenv from PyPI with the interpreter nox runs
-under; pass ``--python 3.12`` etc. to choose another.
+under; pass ``--python 3.12`` etc. to choose another. Every session runs MLX's
+float32 matmuls at full precision; ``TQBATCH_PRECISION=tf32 nox ...`` runs
+them at TF32, as CUDA and Apple M5 GPUs serve (see tqbatch.testing.backend).
 """
 
 from __future__ import annotations
@@ -33,6 +35,20 @@ def _install_test(session: nox.Session) -> None:
     session.install("-e", ".[test,plot]")
 
 
+def _backend_env(**extra: str) -> dict[str, str]:
+    """Full float32 matmuls unless TQBATCH_PRECISION=tf32 (the harness's precision policy).
+
+    pytest and the tqbatch CLI choose it themselves before importing mlx;
+    setting MLX_ENABLE_TF32 here covers anything else a session runs.
+    """
+    precision = os.environ.get("TQBATCH_PRECISION", "float32")
+    return {
+        "TQBATCH_PRECISION": precision,
+        "MLX_ENABLE_TF32": "1" if precision == "tf32" else "0",
+        **extra,
+    }
+
+
 def _workers() -> str:
     # Spread over the machine unless told otherwise (CI shards set it).
     return os.environ.get("TQBATCH_WORKERS") or str(os.cpu_count() or 1)
@@ -42,7 +58,9 @@ def _workers() -> str:
 def tests(session: nox.Session) -> None:
     """The default suite: unit, property (``ci`` profile), golden, e2e and the small perf set."""
     _install_test(session)
-    session.run("pytest", "--hypothesis-profile", "ci", *session.posargs, env={"CI": "true"})
+    session.run(
+        "pytest", "--hypothesis-profile", "ci", *session.posargs, env=_backend_env(CI="true")
+    )
 
 
 @nox.session(name="property")
@@ -57,6 +75,7 @@ def property_suite(session: nox.Session) -> None:
         "-n",
         _workers(),
         *session.posargs,
+        env=_backend_env(),
     )
 
 
@@ -77,6 +96,7 @@ def fuzz(session: nox.Session) -> None:
         "--workers",
         _workers(),
         *session.posargs,
+        env=_backend_env(),
     )
 
 
@@ -87,8 +107,8 @@ def golden(session: nox.Session) -> None:
     args = list(session.posargs)
     if "--regen" in args:
         args.remove("--regen")
-        session.run("tqbatch", "record", "--all", "tests/golden")
-    session.run("pytest", "tests/golden", *args)
+        session.run("tqbatch", "record", "--all", "tests/golden", env=_backend_env())
+    session.run("pytest", "tests/golden", *args, env=_backend_env())
 
 
 @nox.session
@@ -101,21 +121,15 @@ def perf(session: nox.Session) -> None:
         "--benchmark-columns=min,median,max,rounds",
         "--benchmark-sort=name",
         *session.posargs,
-        env={"TQBATCH_PERF": "full"},
+        env=_backend_env(TQBATCH_PERF="full"),
     )
 
 
 @nox.session
 def mutants(session: nox.Session) -> None:
-    """Suite strength: the property suite must catch every planted bug."""
+    """Suite strength: the state machine must find every planted bug (its own settings)."""
     _install_test(session)
-    session.run(
-        "pytest",
-        "tests/property/test_mutants.py",
-        "--hypothesis-profile",
-        "mutation",
-        *session.posargs,
-    )
+    session.run("pytest", "tests/property/test_mutants.py", *session.posargs, env=_backend_env())
 
 
 @nox.session
@@ -149,4 +163,6 @@ def latest(session: nox.Session) -> None:
         "import importlib.metadata as m; "
         "print({p: m.version(p) for p in ('mlx', 'mlx-lm', 'mlx-vlm')})",
     )
-    session.run("pytest", "--hypothesis-profile", "ci", *session.posargs, env={"CI": "true"})
+    session.run(
+        "pytest", "--hypothesis-profile", "ci", *session.posargs, env=_backend_env(CI="true")
+    )

@@ -5,6 +5,11 @@ Each module of :mod:`tqbatch.commands` is a sub-command. It defines
 ``set_defaults(func=run)``, and ``run(args) -> int``, whose return value is
 the process exit code. Discovery (rather than a hand-kept list) lets each
 command live in its own module without touching this one.
+
+Every command takes ``--precision`` and ``--device``. The precision is read
+from the command line before any command module (and so mlx) is imported,
+and every command runs only after the backend passed its known-answer check
+(``tqbatch.testing.backend``); the check's result is ``args.backend``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ from collections.abc import Sequence
 
 import tqbatch
 import tqbatch.commands
+from tqbatch.commands import add_backend_arguments
+from tqbatch.testing import backend
+
+EXIT_BACKEND = 3  # the backend failed its known-answer check: no verdict possible
 
 
 def command_modules() -> list:
@@ -38,17 +47,33 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in command_modules():
         module.register(subparsers)
+    for command in subparsers.choices.values():
+        add_backend_arguments(command)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the sub-command, return its exit code."""
+    early = argparse.ArgumentParser(add_help=False)
+    add_backend_arguments(early)
+    chosen, _ = early.parse_known_args(argv)
+    try:
+        backend.select_precision(chosen.precision)  # before build_parser imports mlx
+    except backend.BackendError as exc:
+        print(f"tqbatch: {exc}", file=sys.stderr)
+        return EXIT_BACKEND
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)
         return 2
+    try:
+        backend.select_device(args.device)
+        args.backend = backend.check_backend()
+    except backend.BackendError as exc:
+        print(f"tqbatch: {exc}", file=sys.stderr)
+        return EXIT_BACKEND
     return int(func(args) or 0)
 
 

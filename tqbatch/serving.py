@@ -13,6 +13,11 @@ and hands it to every layer; ``MaskWidthProbe`` wraps the layers to check that
 each layer's cache agrees with that mask's width, so a dense layer and a
 TurboQuant layer can never silently drift apart (omlx #2237).
 
+An optional ``ServerObserver`` is told what the server knows and a cache
+must not be trusted to report: which input columns of each row hold a
+request's tokens (``ForwardLayout``), when rows are settled, rolled back or
+extracted. ``tqbatch.cache_oracle`` uses it to check the caches.
+
 The model must be an mlx-lm style module: ``model(tokens, cache=list)`` returns
 logits ``(B, T, vocab)`` and ``model.layers`` is the list of blocks, called as
 ``block(x, mask, cache)``.
@@ -20,7 +25,8 @@ logits ``(B, T, vocab)`` and ``model.layers`` is the list of blocks, called as
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -34,9 +40,11 @@ __all__ = [
     "BatchableTurboQuantKVCache",
     "ContinuousBatcher",
     "FinishedRequest",
+    "ForwardLayout",
     "MaskGeometryError",
     "MaskWidthProbe",
     "Request",
+    "ServerObserver",
     "cache_key_length",
     "make_prompt_caches",
 ]
@@ -50,14 +58,18 @@ class MaskGeometryError(RuntimeError):
 class Request:
     """One generation request and everything decoded for it so far.
 
-    ``logits[j]`` is the (vocab,) float32 row that produced ``tokens[j]``
-    (greedy: ``tokens[j] == argmax(logits[j])``). The last token is *pending*:
-    generated but not yet fed to the model.
+    ``logits[j]`` is the (vocab,) float32 row that produced ``tokens[j]``:
+    greedy, ``tokens[j] == argmax(logits[j])``, unless a ``teacher`` is set,
+    in which case ``tokens[j] == teacher[j]`` whatever the logits say (teacher
+    forcing: the batched run follows a known sequence, so a float-noise flip of
+    its argmax cannot derail it). The last token is *pending*: generated but
+    not yet fed to the model.
     """
 
     uid: str
     prompt: list[int]
     max_new_tokens: int
+    teacher: list[int] | None = None
     tokens: list[int] = field(default_factory=list)
     logits: list[mx.array] = field(default_factory=list)
 
@@ -66,6 +78,11 @@ class Request:
             raise ValueError(f"request {self.uid!r} has an empty prompt")
         if self.max_new_tokens < 1:
             raise ValueError(f"request {self.uid!r}: max_new_tokens must be >= 1")
+        if self.teacher is not None and len(self.teacher) < self.max_new_tokens:
+            raise ValueError(
+                f"request {self.uid!r}: the teacher has {len(self.teacher)} tokens, "
+                f"fewer than max_new_tokens {self.max_new_tokens}"
+            )
 
     @property
     def done(self) -> bool:
@@ -75,10 +92,25 @@ class Request:
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.tokens)
 
+    def next_tokens(self, logits: mx.array) -> list[int]:
+        """The tokens this request takes from consecutive (block, vocab) logits rows.
+
+        Row ``j`` predicts ``tokens[len(tokens) + j]``: the teacher's token
+        where it has one (-1, matching nothing, past its end), else the argmax.
+        """
+        if self.teacher is None:
+            return [int(t) for t in mx.argmax(logits, axis=-1).tolist()]
+        start = len(self.tokens)
+        return [
+            self.teacher[i] if i < len(self.teacher) else -1
+            for i in range(start, start + logits.shape[0])
+        ]
+
     def record(self, logits: mx.array):
-        """Append one greedy step from a (vocab,) logits row."""
+        """Append one step from a (vocab,) logits row: the teacher's token or the argmax."""
+        token = self.next_tokens(logits[None])[0]
         self.logits.append(logits)
-        self.tokens.append(int(mx.argmax(logits).item()))
+        self.tokens.append(token)
 
 
 @dataclass
@@ -91,6 +123,48 @@ class FinishedRequest:
 
     request: Request
     caches: list
+
+
+@dataclass(frozen=True)
+class ForwardLayout:
+    """What one forward feeds: each row's request and which of its input columns are real.
+
+    ``real[b]`` is the range of input columns of row ``b`` that carry request
+    ``uids[b]``'s tokens; the others are padding. ``kind`` names the operation
+    (for messages). ``batched`` is False for a request prefilled alone in
+    single-request caches (``admit_merged``).
+    """
+
+    kind: str
+    uids: tuple[str, ...]
+    real: tuple[range, ...]
+    batched: bool = True
+
+
+class ServerObserver:
+    """Hooks through which a test oracle follows the server; each one here does nothing.
+
+    * ``forward(layout, caches)``: a context manager around every model forward.
+    * ``settled(uids, caches)``: the batch caches' rows hold exactly the
+      requests ``uids`` (right padding finalized, verify blocks rolled back):
+      after every batched decode or verify, and after every join.
+    * ``rolled_back(uids, n)``: every row of the batch was trimmed by ``n``.
+    * ``extracted(uid, caches)``: ``caches`` are what ``extract`` returned for
+      a finished request, one per layer.
+    """
+
+    @contextmanager
+    def forward(self, layout: ForwardLayout, caches: list) -> Iterator[None]:
+        yield
+
+    def settled(self, uids: Sequence[str], caches: list):
+        pass
+
+    def rolled_back(self, uids: Sequence[str], n: int):
+        pass
+
+    def extracted(self, uid: str, caches: list):
+        pass
 
 
 def cache_key_length(cache) -> int:
@@ -206,6 +280,8 @@ class ContinuousBatcher:
         probe: check mask width against every layer's cache on each forward.
         batch_cache_class: the quantized batch cache under test (default
             tqbatch's; the harness passes ``load_impl()`` or a mutant).
+        observer: told the layout of every forward and every rollback,
+            settling and extraction (see ``ServerObserver``).
     """
 
     def __init__(
@@ -217,6 +293,7 @@ class ContinuousBatcher:
         dense_layers: Sequence[int] | None = None,
         probe: bool = True,
         batch_cache_class: type = BatchTurboQuantKVCache,
+        observer: ServerObserver | None = None,
     ):
         n_layers = len(model.layers)
         dense = {n_layers - 1} if dense_layers is None else set(dense_layers)
@@ -230,6 +307,7 @@ class ContinuousBatcher:
         self.batch_cache_class = batch_cache_class
         self.n_layers = n_layers
         self.probe = MaskWidthProbe(model) if probe else None
+        self.observer = observer if observer is not None else ServerObserver()
         self.active: list[Request] = []
         self.caches: list | None = None
         self.finished: dict[str, FinishedRequest] = {}
@@ -256,12 +334,16 @@ class ContinuousBatcher:
             for i in range(self.n_layers)
         ]
 
-    def _forward(self, tokens: mx.array, caches: list) -> mx.array:
-        logits = self.model(tokens, cache=caches)
-        logits = logits.astype(mx.float32)
-        mx.eval(logits)
+    def _forward(self, tokens: mx.array, caches: list, layout: ForwardLayout) -> mx.array:
+        with self.observer.forward(layout, caches):
+            logits = self.model(tokens, cache=caches)
+            logits = logits.astype(mx.float32)
+            mx.eval(logits)
         self.forwards += 1
         return logits
+
+    def _uids(self, requests: Sequence[Request]) -> tuple[str, ...]:
+        return tuple(r.uid for r in requests)
 
     # ------------------------------------------------------------------ admission
 
@@ -281,7 +363,9 @@ class ContinuousBatcher:
         else:
             caches = self.batch_caches(padding)
         tokens = mx.array([[0] * p + r.prompt for p, r in zip(padding, requests)])
-        logits = self._forward(tokens, caches)
+        real = tuple(range(p, longest) for p in padding)
+        layout = ForwardLayout("left-padded prefill", self._uids(requests), real)
+        logits = self._forward(tokens, caches, layout)
         for row, r in enumerate(requests):
             r.record(logits[row, -1])
         self._join(requests, caches)
@@ -296,7 +380,9 @@ class ContinuousBatcher:
         for c in caches:
             c.prepare(lengths=lengths, right_padding=padding)
         tokens = mx.array([r.prompt + [0] * p for p, r in zip(padding, requests)])
-        logits = self._forward(tokens, caches)
+        real = tuple(range(n) for n in lengths)
+        layout = ForwardLayout("right-padded prefill", self._uids(requests), real)
+        logits = self._forward(tokens, caches, layout)
         for c in caches:
             c.finalize()
         for row, (r, n) in enumerate(zip(requests, lengths)):
@@ -309,7 +395,10 @@ class ContinuousBatcher:
         singles = []
         for r in requests:
             caches = self.single_caches()
-            logits = self._forward(mx.array([r.prompt]), caches)
+            layout = ForwardLayout(
+                "prefill alone", (r.uid,), (range(len(r.prompt)),), batched=False
+            )
+            logits = self._forward(mx.array([r.prompt]), caches, layout)
             r.record(logits[0, -1])
             singles.append(caches)
         merged = [
@@ -327,6 +416,7 @@ class ContinuousBatcher:
             for mine, theirs in zip(self.caches, caches):
                 mine.extend(theirs)
         self.active.extend(requests)
+        self.observer.settled(self._uids(self.active), self.caches)
         self._retire()
 
     # ------------------------------------------------------------------ decoding
@@ -336,17 +426,21 @@ class ContinuousBatcher:
         if not self.active:
             raise RuntimeError("step: no active requests")
         pending = mx.array([[r.tokens[-1]] for r in self.active])
-        logits = self._forward(pending, self.caches)
+        uids = self._uids(self.active)
+        layout = ForwardLayout("decode", uids, (range(1),) * len(uids))
+        logits = self._forward(pending, self.caches, layout)
         for row, r in enumerate(self.active):
             r.record(logits[row, -1])
+        self.observer.settled(uids, self.caches)
         self._retire()
 
     def verify(self, propose: DraftProposer, block: int) -> int:
         """One speculative step: verify ``block - 1`` drafted tokens per row at once.
 
         Feeds ``[pending, d_1, ..., d_{block-1}]`` to every row, accepts the
-        longest draft prefix that *every* row's greedy prediction confirms
-        (one ``trim`` serves the whole batch), rolls the rest back with
+        longest draft prefix that *every* row's prediction confirms (greedy,
+        or the teacher's tokens under teacher forcing; one ``trim`` serves
+        the whole batch), rolls the rest back with
         ``trim`` and records the accepted steps. Returns the number of drafts
         accepted. Acceptance is capped so no request exceeds its budget.
         """
@@ -361,8 +455,10 @@ class ContinuousBatcher:
                 raise ValueError(f"proposer gave {len(d)} drafts for {r.uid!r}, wanted {block - 1}")
             drafts.append(d)
         inputs = mx.array([[r.tokens[-1]] + d for r, d in zip(self.active, drafts)])
-        logits = self._forward(inputs, self.caches)
-        predicted = mx.argmax(logits, axis=-1).tolist()  # (B, block)
+        uids = self._uids(self.active)
+        layout = ForwardLayout(f"verify {block}-token block", uids, (range(block),) * len(uids))
+        logits = self._forward(inputs, self.caches, layout)
+        predicted = [r.next_tokens(logits[row]) for row, r in enumerate(self.active)]
 
         accepted = block - 1
         for row_pred, d in zip(predicted, drafts):
@@ -378,9 +474,12 @@ class ContinuousBatcher:
             if c.trim(rollback) != rollback:
                 raise RuntimeError(f"{type(c).__name__}.trim({rollback}) trimmed fewer slots")
         self.trimmed += rollback
+        if rollback:
+            self.observer.rolled_back(uids, rollback)
         for row, r in enumerate(self.active):
             for j in range(accepted + 1):
                 r.record(logits[row, j])
+        self.observer.settled(uids, self.caches)
         self._retire()
         return accepted
 
@@ -394,6 +493,7 @@ class ContinuousBatcher:
         for i in done:
             r = self.active[i]
             self.finished[r.uid] = FinishedRequest(r, [c.extract(i) for c in self.caches])
+            self.observer.extracted(r.uid, self.finished[r.uid].caches)
         keep = [i for i, r in enumerate(self.active) if not r.done]
         if keep:
             for c in self.caches:

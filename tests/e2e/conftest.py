@@ -8,18 +8,35 @@ from tqbatch.e2e import ModelSpec, build_model, run_scenario, scenario_reference
 from tqbatch.testing.impl import load_impl
 
 SPEC = ModelSpec()  # 4 layers, hidden 256, 4 query / 2 KV heads, head_dim 64
+# A cheaper model for the seed sweep and the forward-noise comparison: two
+# TurboQuant layers, so the second one's inputs carry forward noise.
+SMALL_SPEC = ModelSpec(seed=2, num_layers=3)
 BITS = 4.0
 SEED = 0
 
 
 @pytest.fixture(scope="session")
-def model():
-    return build_model(SPEC)
+def prepared():
+    """``prepared(spec)``: (model, references) for a ModelSpec, built once per session."""
+    built = {}
+
+    def get(spec: ModelSpec):
+        if spec not in built:
+            model = build_model(spec)
+            built[spec] = model, scenario_references(model, spec, bits=BITS, seed=SEED)
+        return built[spec]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def references(model):
-    return scenario_references(model, SPEC, bits=BITS, seed=SEED)
+def model(prepared):
+    return prepared(SPEC)[0]
+
+
+@pytest.fixture(scope="session")
+def references(prepared):
+    return prepared(SPEC)[1]
 
 
 @pytest.fixture(scope="session")

@@ -1,39 +1,53 @@
-"""The server-like scenario through mlx-vlm's Qwen2 equals each request run alone."""
+"""The server-like scenario through mlx-vlm's Qwen2 passes the cache oracle."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
-from tqbatch.e2e import LOGITS_ATOL, REQUESTS, reference_run
+from tqbatch.cache_oracle import CacheOracle
+from tqbatch.e2e import REQUESTS, ModelSpec, run_scenario
 from tqbatch.serving import ContinuousBatcher, Request
 
-from .conftest import BITS, SEED, SPEC
+from .conftest import BITS, SEED, SMALL_SPEC, SPEC
 
 UIDS = [uid for uid, _, _ in REQUESTS]
 
 
-@pytest.mark.parametrize("uid", UIDS)
-def test_greedy_tokens_equal_the_request_run_alone(scenario, uid):
-    assert scenario.tokens_match[uid]
+def test_no_failures_reported(scenario):
+    assert scenario.failures() == []
 
 
 @pytest.mark.parametrize("uid", UIDS)
-def test_logits_equal_the_request_run_alone(scenario, uid):
-    # LOGITS_ATOL = 1e-4: rows hold the same packed codes as the request
-    # alone, so only float32 summation order differs (measured ~4e-6); a
-    # slot of padding or a shifted token costs 1e-3 or more.
-    assert scenario.max_logit_diff[uid] <= LOGITS_ATOL
+def test_every_kind_of_check_ran_and_passed(scenario, uid):
+    checks = scenario.checks[uid]
+    assert checks.content and checks.attention and checks.extract
+    # <= 1: within the rounding bounds of tqbatch.testing.tolerances.
+    assert checks.worst_content <= 1
+    assert checks.worst_attention <= 1
+    assert checks.worst_extract <= 1
 
 
-@pytest.mark.parametrize("uid", UIDS)
-def test_extracted_caches_hold_the_request_and_decode_on(scenario, uid):
-    assert scenario.extracted_lengths_ok[uid]
-    assert scenario.resume_diff[uid] <= LOGITS_ATOL  # same reason as above
-
-
-def test_references_have_no_near_ties(scenario):
-    # Otherwise a token mismatch could come from rounding alone.
-    assert scenario.min_reference_margin > 2 * LOGITS_ATOL
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # Seed 1 has a float16 token norm that rounds differently batched and
+        # alone (logits 1.08e-4 apart): the old logits verdict failed it.
+        ModelSpec(seed=1),
+        # Fewer layers keep the sweep affordable on the CPU; two TurboQuant
+        # layers still give the second one inputs that carry forward noise.
+        SMALL_SPEC,
+        ModelSpec(seed=3, num_layers=3),
+        ModelSpec(seed=4, num_layers=3),
+    ],
+    ids=lambda spec: f"seed{spec.seed}-{spec.num_layers}layers",
+)
+def test_other_weight_seeds_pass(spec, impl, prepared):
+    model, references = prepared(spec)
+    result = run_scenario(
+        spec, bits=BITS, seed=SEED, model=model, references=references, batch_cache_class=impl
+    )
+    assert result.failures() == []
 
 
 def test_every_batched_forward_checked_the_mask_at_every_layer(scenario):
@@ -53,25 +67,41 @@ def test_scenario_exercises_every_server_operation(scenario):
     assert scenario.events[-1].endswith("batch [-]")
 
 
-def test_no_failures_reported(scenario):
-    assert scenario.failures() == []
-
-
-def test_left_padding_through_prepare_equals_requests_alone(model, impl):
-    """``prepare(left_padding=...)`` on unpadded caches serves like the constructor."""
-    prompts = {"p": [9, 8, 7, 6, 5, 4], "q": [11, 12], "r": [300, 301, 302, 303]}
+def test_teacher_forcing_decides_tokens_and_verify_acceptance(model, impl):
+    """Teacher tokens are taken and drafts equal to them accepted, whatever the argmax says."""
+    teacher = {"x": [7, 7, 7, 7, 7], "y": [9, 8, 7, 6, 5]}
+    prompts = {"x": [1, 2, 3], "y": [4, 5, 6, 7, 8]}
+    requests = [Request(uid, prompts[uid], 5, teacher=teacher[uid]) for uid in prompts]
     server = ContinuousBatcher(model, bits=BITS, seed=SEED, batch_cache_class=impl)
     try:
-        requests = [Request(uid, p, 4) for uid, p in prompts.items()]
+        server.admit_left_padded(requests)
+        accepted = server.verify(lambda r, n: r.teacher[len(r.tokens) : len(r.tokens) + n], 3)
+        server.run_until_idle()
+    finally:
+        server.probe.remove()
+    assert accepted == 2
+    assert server.trimmed == 0
+    for r in requests:
+        assert r.tokens == teacher[r.uid]
+    # The model's own greedy choice disagrees somewhere, so the teacher mattered.
+    argmax = [int(mx.argmax(row).item()) for r in requests for row in r.logits]
+    assert argmax != [t for r in requests for t in r.tokens]
+
+
+def test_left_padding_through_prepare_passes_the_oracle(model, impl):
+    """``prepare(left_padding=...)`` on unpadded caches serves like the constructor."""
+    prompts = {"p": [9, 8, 7, 6, 5, 4], "q": [11, 12], "r": [300, 301, 302, 303]}
+    oracle = CacheOracle(model, bits=BITS, seed=SEED, quantized_layers=range(SPEC.num_layers - 1))
+    server = ContinuousBatcher(model, bits=BITS, seed=SEED, batch_cache_class=impl, observer=oracle)
+    # Any tokens do for a cache check: teacher-force fixed ones.
+    requests = [Request(uid, p, 4, teacher=[40, 41, 42, 43]) for uid, p in prompts.items()]
+    try:
         server.admit_left_padded(requests, via_prepare=True)
         server.run_until_idle()
     finally:
         server.probe.remove()
     assert server.probe.checks == server.forwards * SPEC.num_layers
+    assert [f.sentence() for f in oracle.failures] == []
     for r in requests:
-        ref = reference_run(
-            model, r.prompt, 4, bits=BITS, seed=SEED, dense_layers=[SPEC.num_layers - 1]
-        )
-        assert r.tokens == ref.tokens
-        for mine, alone in zip(r.logits, ref.logits):
-            assert abs(mine - alone).max().item() <= LOGITS_ATOL  # reason at LOGITS_ATOL
+        checks = oracle.checks[r.uid]
+        assert checks.content and checks.attention and checks.extract

@@ -90,11 +90,27 @@ class LeakyMask(tqbatch.BatchTurboQuantKVCache):
 
 
 class NoisyRows(tqbatch.BatchTurboQuantKVCache):
-    """Dequantized rows off by 1e-5: just above DEQUANT_TOL."""
+    """Dequantized keys off by 1e-3: ~10x the float32 rounding bound at these norms."""
 
     def dequantize(self, keys_state=None, values_state=None):
         k, v = super().dequantize(keys_state, values_state)
-        return k + 1e-5, v
+        return k + 1e-3, v
+
+
+class FlipsOneCode(tqbatch.BatchTurboQuantKVCache):
+    """Every write puts one coordinate of row 0's newest key in the neighbouring codebook cell.
+
+    The smallest content bug there is: the lowest bit of the first packed
+    word is the first coordinate's code, and codes 2i and 2i+1 are adjacent
+    centroids.
+    """
+
+    def _try_fused_kv_quantize(self, keys, values):
+        new_keys = self.key_codec.quantize(keys)
+        flip = np.zeros(new_keys.indices.shape, dtype=np.uint32)
+        flip[0, 0, -1, 0] = 1
+        flipped = new_keys._replace(indices=new_keys.indices ^ mx.array(flip))
+        return flipped, self.value_codec.quantize(values)
 
 
 class FilterMutatesThenRaises(tqbatch.BatchTurboQuantKVCache):
@@ -119,6 +135,19 @@ def test_attention_check_sees_poisoned_padding_without_mask_check():
 def test_executor_detects_dequantization_drift():
     with pytest.raises(AssertionError, match="dequantized keys differ"):
         run(NoisyRows)
+
+
+@pytest.mark.parametrize("bits", [2.0, 4.0, 8.0])
+def test_content_check_sees_one_flipped_code(bits):
+    """The derived content bound is tighter than the smallest codebook cell, at every width."""
+    world = World(FlipsOneCode, bits=bits, seed=1, kv_heads=2, head_dim=128)
+    world.apply({"op": "merge", "lengths": [3, 2], "kv_seed": 1})
+    world.check()  # merge moves the singles' codes: nothing flipped yet
+    world.apply({"op": "update", "tokens": 1, "kv_seed": 2})
+    with pytest.raises(
+        AssertionError, match=r"row 0 .* dequantized keys differ .* token\(s\) \[3\]"
+    ):
+        world.check()
 
 
 def test_expect_error_detects_partial_mutation():

@@ -1,12 +1,22 @@
-"""``tqbatch e2e``: run :mod:`tqbatch.e2e`'s scenario and print its per-request report."""
+"""``tqbatch e2e``: run :mod:`tqbatch.e2e`'s scenario; print the verdict, then the model report."""
 
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 import tqbatch.e2e
 from tqbatch.commands import add_impl_argument
-from tqbatch.e2e import LOGITS_ATOL, REQUESTS, ModelSpec, run_scenario
+from tqbatch.e2e import REQUESTS, ModelSpec, ScenarioResult, run_scenario
+
+# What the model-level numbers mean, measured with tqbatch's cache on this
+# project's CPU (float32) over weight seeds 0-9: see tqbatch.e2e's docstring.
+MODEL_LEVEL_NOTE = (
+    "expect max |dlogit| ~1e-6..1e-5 where no code or norm differs from the run alone, "
+    "~1e-4 where one float16 token norm differs and up to ~1e-1 where a 4-bit code does; "
+    "such differences come from the batched forward's float32 rounding (other K/V bits "
+    "enter the cache), not from the cache, whose verdict above is fed the batch's own K/V"
+)
 
 
 def register(subparsers) -> None:
@@ -38,44 +48,80 @@ def run(args: argparse.Namespace) -> int:
         f"cache: {impl.__module__}.{impl.__qualname__}, {args.bits:g} bits, seed {args.seed}; "
         f"layer {spec.num_layers - 1} dense (mlx-lm BatchKVCache)"
     )
-    try:
-        result = run_scenario(
-            spec,
-            bits=args.bits,
-            seed=args.seed,
-            prompt_seed=args.prompt_seed,
-            batch_cache_class=impl,
-        )
-    except Exception as exc:  # a broken cache may crash inside the model
-        print(f"FAILED: the scenario raised {type(exc).__name__}: {exc}")
-        return 1
+    result = run_scenario(
+        spec,
+        bits=args.bits,
+        seed=args.seed,
+        prompt_seed=args.prompt_seed,
+        batch_cache_class=impl,
+    )
     print()
     for event in result.events:
         print(f"  {event}")
     print()
-    print(
-        f"  {'request':<8}{'prompt':>7}{'tokens':>7}{'max |dlogit|':>14}{'resume':>10}"
-        f"  tokens  codes differing per layer"
-    )
-    for uid, n_prompt, n_new in REQUESTS:
-        print(
-            f"  {uid:<8}{n_prompt:>7}{n_new:>7}{result.max_logit_diff[uid]:>14.2e}"
-            f"{result.resume_diff[uid]:>10.2e}  {'same' if result.tokens_match[uid] else 'DIFF':<6}"
-            f"  {result.code_mismatches[uid]}"
-        )
+    _print_verdict(result)
     print()
-    print(
-        f"  worst logit difference {result.worst_diff:.2e} (tolerance {LOGITS_ATOL:g}); "
-        f"smallest reference top-2 gap {result.min_reference_margin:.3g}"
-    )
-    print(
-        f"  {result.forwards} batched forwards, {result.mask_checks} (layer, forward) "
-        f"mask widths checked, {result.trimmed} slots rolled back"
-    )
+    _print_model_level(result)
+    print()
     print("  " + ", ".join(f"{k} {v:.2f} s" for k, v in result.seconds.items()))
     failures = result.failures()
     for failure in failures:
         print(f"FAILED: {failure}")
     if not failures:
-        print("OK: every request matches its single-request run")
+        print("OK: every request's rows, attention and extracted caches match its references")
     return 1 if failures else 0
+
+
+def _print_verdict(result: ScenarioResult):
+    print(
+        "cache oracle (the verdict): every quantized layer's batch rows, attention outputs and "
+        "extracted caches\nvs single-request TurboQuantKVCache references fed the same K/V; "
+        "excess = max |got - want| / tolerance (passes <= 1)"
+    )
+    print(f"  {'request':<8}{'content':>18}{'attention':>18}{'extract':>18}")
+    print(f"  {'':<8}" + f"{'checks':>9}{'excess':>9}" * 3)
+    for uid, _, _ in REQUESTS:
+        c = result.checks.get(uid)
+        if c is None:
+            print(f"  {uid:<8}{'not checked':>18}")
+            continue
+        cells = (
+            (c.content, c.worst_content),
+            (c.attention, c.worst_attention),
+            (c.extract, c.worst_extract),
+        )
+        print(f"  {uid:<8}" + "".join(f"{n:>9}{worst:>9.2g}" for n, worst in cells))
+    print(
+        f"  {result.forwards} forwards, {result.mask_checks} (layer, forward) "
+        f"mask widths checked, {result.trimmed} slots rolled back"
+    )
+
+
+def _print_model_level(result: ScenarioResult):
+    print(
+        "model level (a report, not a verdict): teacher-forced batched run vs the request run alone"
+    )
+    if not result.alone:
+        print("  (not available: the scenario stopped early)")
+        return
+    print(
+        f"  {'request':<8}{'top-1':>8}{'max |dlogit|':>14}{'resume':>10}"
+        f"{'codes differing':>18}{'norms differing':>18}"
+    )
+    for uid, _, _ in REQUESTS:
+        a = result.alone.get(uid)
+        if a is None:
+            continue
+        print(
+            f"  {uid:<8}{f'{a.top1}/{a.steps}':>8}{a.max_logit_gap:>14.2e}{a.resume_gap:>10.2e}"
+            f"{f'{a.flipped_codes}/{a.codes}':>18}{f'{a.flipped_norms}/{a.norms}':>18}"
+        )
+    print(
+        f"  top-1 agreement {result.top1_rate():.1%}, codes differing "
+        f"{result.flip_fraction('codes'):.2e}, norms differing {result.flip_fraction('norms'):.2e}"
+    )
+    print(
+        textwrap.fill(
+            f"({MODEL_LEVEL_NOTE})", width=100, initial_indent="  ", subsequent_indent="   "
+        )
+    )

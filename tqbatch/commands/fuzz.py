@@ -160,8 +160,10 @@ def campaign(
 
 def test_fuzz_shard(shard):
     """One shard of a ``--workers`` campaign (collected only by ``tqbatch fuzz``)."""
+    from tqbatch.testing import backend
     from tqbatch.testing.impl import load_impl
 
+    backend.select_device()  # the parent's --device, passed down as $TQBATCH_DEVICE
     cfg = json.loads(os.environ[_ENV])
     out = Path(cfg["dir"]) / f"shard-{shard}.json"
 
@@ -236,6 +238,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from tqbatch.testing.backend import describe_line
     from tqbatch.testing.impl import ImplSpecError, load_impl, missing_capabilities
     from tqbatch.testing.ops import format_ops
 
@@ -281,6 +284,7 @@ def run(args) -> int:
     table.add_column("quantity")
     table.add_column("value", justify="right")
     table.add_row("target", args.impl)
+    table.add_row("backend", describe_line(args.backend))
     table.add_row("examples", str(result.examples))
     table.add_row("ops", str(sum(result.op_counts.values())))
     table.add_row("seconds", f"{result.seconds:.0f}")
@@ -299,6 +303,19 @@ def run(args) -> int:
     if failure["ops"]:
         from tqbatch.testing.scenario import write_failure
 
-        path = write_failure(failure["ops"], failure["config"], args.out, error=failure["message"])
+        path = write_failure(
+            failure["ops"],
+            failure["config"],
+            args.out,
+            error=failure["message"],
+            backend=args.backend,
+            options={
+                "impl": args.impl,
+                "profile": args.profile,
+                "seed": args.seed,
+                "workers": args.workers,
+                "contract_checks": not args.no_contract_checks,
+            },
+        )
         console.print(f"saved as a scenario: {path}  (reproduce: tqbatch replay {path})")
     return EXIT_FAILED

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, settings
 
 # Every example touches MLX: codec tables take ~1 s to build on first use and
 # CPU attention is slow, so wall-clock deadlines would only report noise.
@@ -37,16 +37,6 @@ PROFILES = {
     ),
     # Long random campaigns; keeps found failures in the database.
     "nightly": settings(max_examples=2000, stateful_step_count=40, **_COMMON),
-    # Suite-strength self-test: few examples, reproducible, no shrinking
-    # needed (a mutant only has to be caught, not minimised).
-    "mutation": settings(
-        max_examples=30,
-        stateful_step_count=15,
-        derandomize=True,
-        database=None,
-        phases=[Phase.explicit, Phase.reuse, Phase.generate],
-        **_COMMON,
-    ),
 }
 
 

@@ -8,7 +8,9 @@ A scenario is two files side by side (format documented in tests/golden/README.m
   fail against), ``config`` (kv_heads, head_dim, q_heads, dtype, bits,
   seed), ``ops`` (the vocabulary of docs/ops.md, one op per line),
   ``tolerances`` (one entry per recorded quantity, each with its reason) and
-  ``recording`` (what recorded it, where, and a digest of config + ops).
+  ``recording`` (what recorded it, where, and a digest of config + ops);
+  a saved failure also has ``found_on`` (the backend, the run's options and
+  the message).
 * ``NAME.npz``, the recorded expectations after every op: offsets, left
   padding, written end, masks, the raw packed bytes of ``state``, attention
   outputs, extracted rows (packed bytes and dequantized).
@@ -38,6 +40,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from tqbatch.testing.backend import describe as describe_backend
+from tqbatch.testing.backend import matmul_precision
 from tqbatch.testing.impl import load_impl
 from tqbatch.testing.ops import World, format_ops
 from tqbatch.testing.reference import to_numpy
@@ -178,6 +182,9 @@ class Scenario:
     tolerances: dict[str, dict] = field(default_factory=default_tolerances)
     recording: dict | None = None
     path: Path | None = None
+    # Where a saved failure was found: the backend (tqbatch.testing.backend.describe()),
+    # the options of the run and the message; None for hand-written scenarios.
+    found_on: dict | None = None
 
     # -------------------------------------------------------------- files
 
@@ -205,6 +212,7 @@ class Scenario:
             tolerances=doc["tolerances"],
             recording=doc.get("recording"),
             path=path,
+            found_on=doc.get("found_on"),
         )
         scenario.validate()
         return scenario
@@ -251,6 +259,8 @@ class Scenario:
             "kills": self.kills,
             "config": self.config,
         }
+        if self.found_on is not None:
+            head["found_on"] = self.found_on
         parts = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in head.items()]
         ops = format_ops(self.ops).replace("\n", "\n  ")
         parts.append(f'  "ops": {ops}')
@@ -328,9 +338,14 @@ def _looks_like_scenario(path: Path) -> bool:
 
 
 def platform_id() -> dict[str, str]:
-    """Where bits are produced: device type, OS and CPU architecture."""
+    """Where bits are produced: device type, matmul precision, OS and CPU architecture.
+
+    Recordings are compared bit for bit only on the same platform; the
+    precision is part of it because TF32 rounds matmul operands differently.
+    """
     return {
         "device": str(mx.default_device().type).rsplit(".", 1)[-1],
+        "precision": matmul_precision(),
         "system": platform.system(),
         "machine": platform.machine(),
     }
@@ -728,6 +743,8 @@ def write_failure(
     name: str | None = None,
     description: str | None = None,
     error: str | None = None,
+    backend: dict | None = None,
+    options: dict | None = None,
 ) -> Path:
     """Write a failing op sequence as an (unrecorded) scenario; returns the JSON path.
 
@@ -735,6 +752,8 @@ def write_failure(
     Once the bug is fixed, ``tqbatch record PATH`` adds the recording and the
     scenario can join tests/golden. Op dicts are deep-copied; ``config`` is a
     dict of scenario config keys (missing ones take ``DEFAULT_CONFIG``) or a World.
+    The scenario's ``found_on`` records ``backend`` (default: the current one),
+    the run's ``options`` and the ``error``.
     """
     if isinstance(config, World):
         config = config_from_world(config)
@@ -749,6 +768,11 @@ def write_failure(
         + (f": {error.splitlines()[0]}" if error else "")
         + ". Edit this description: name the bug it pins and the upstream reference."
     )
-    scenario = Scenario(name=name, description=text, ops=ops, config=merged)
+    found_on = {"backend": backend or describe_backend(), "date": found}
+    if options:
+        found_on["options"] = dict(options)
+    if error:
+        found_on["error"] = error
+    scenario = Scenario(name=name, description=text, ops=ops, config=merged, found_on=found_on)
     scenario.validate()
     return scenario.save(Path(directory) / f"{name}.json")

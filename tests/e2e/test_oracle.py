@@ -1,0 +1,49 @@
+"""The oracle's own parts: its capture leaves no trace, its code counter counts."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_vlm.models.qwen2 import language as qwen2_language
+from mlx_vlm.turboquant import TurboQuantKVCache
+
+from tqbatch.cache_oracle import CacheOracle
+from tqbatch.e2e import flipped_codes
+from tqbatch.serving import ForwardLayout
+
+from .conftest import BITS, SEED, SPEC
+
+
+def test_capture_is_removed_even_when_the_forward_raises(model):
+    caches = [TurboQuantKVCache(bits=BITS, seed=SEED) for _ in range(SPEC.num_layers)]
+    attention = qwen2_language.scaled_dot_product_attention
+    oracle = CacheOracle(model, bits=BITS, seed=SEED, quantized_layers=range(SPEC.num_layers))
+    layout = ForwardLayout("decode", ("x",), (range(1),))
+    with pytest.raises(RuntimeError, match="boom"):
+        with oracle.forward(layout, caches):
+            assert all("update_and_fetch" in vars(c) for c in caches)
+            raise RuntimeError("boom")
+    assert all("update_and_fetch" not in vars(c) for c in caches)
+    assert qwen2_language.scaled_dot_product_attention is attention
+    assert oracle.failures == []  # a crash is the caller's to report, not a failed check
+
+
+def _cache(keys: np.ndarray, values: np.ndarray) -> TurboQuantKVCache:
+    cache = TurboQuantKVCache(bits=BITS, seed=SEED)
+    cache.update_and_fetch(mx.array(keys[None]), mx.array(values[None]))
+    return cache
+
+
+def test_flipped_codes_counts_one_changed_token():
+    rng = np.random.default_rng(0)
+    keys, values = (rng.standard_normal((2, 6, 64)).astype(np.float32) for _ in range(2))
+    same = flipped_codes([_cache(keys, values)], [_cache(keys, values)], 6, 64)
+    assert same == {"codes": (0, 2 * 2 * 6 * 64), "norms": (0, 2 * 2 * 6)}
+
+    changed = keys.copy()
+    changed[1, 4] = rng.standard_normal(64)  # one (head, token) of the keys
+    flips = flipped_codes([_cache(changed, values)], [_cache(keys, values)], 6, 64)
+    codes, _ = flips["codes"]
+    assert 0 < codes <= 64  # only that token's codes can differ
+    assert flips["norms"][0] == 1

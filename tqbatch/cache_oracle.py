@@ -1,0 +1,452 @@
+"""The cache oracle: batch caches checked against per-request references fed the same K/V.
+
+A batched forward is not bit-equal to the same request run alone (other
+matmul shapes, other summation orders), so the K/V a batch cache is handed
+differ from the alone-run's in the last float bits, and a value on a
+TurboQuant codebook boundary can take another 4-bit code. Comparing logits
+with the request run alone therefore mixes forward noise with cache bugs.
+This oracle isolates the cache instead. During every forward it captures
+
+* the ``keys, values`` each quantized layer's cache is handed
+  (``update_and_fetch`` wrapped on the instance, so any cache class works),
+* the queries and output of every attention call of those layers (a spy on
+  the model module's ``scaled_dot_product_attention``, mapped to its layer by
+  the identity of its ``cache`` argument),
+
+and feeds each row's *real* input columns, as the server laid them out
+(``tqbatch.serving.ForwardLayout``, never the cache's own idea of its
+padding), to a single-request ``mlx_vlm.turboquant.TurboQuantKVCache`` per
+request and layer: exactly those float values, so reference and batch row
+must hold the same packed codes. Then it checks, with the rounding bounds of
+``tqbatch.testing.tolerances``:
+
+* attention: row ``b``'s output on its real query columns against mlx-vlm's
+  ``scaled_dot_product_attention`` over the reference with a causal mask;
+* content: whenever the server says the rows are settled, each row's
+  dequantized slots ``[left_padding[b], size())`` against the reference's;
+* extract: each extracted single-request cache holds as many tokens as the
+  reference and the same dequantized content.
+
+Rollbacks trim the references as the server trims its batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx_vlm.models.base as vlm_base
+import numpy as np
+from mlx_vlm.turboquant import TurboQuantKVCache
+
+from tqbatch.serving import ForwardLayout, ServerObserver
+from tqbatch.testing.model import causal_mask
+from tqbatch.testing.reference import to_numpy
+from tqbatch.testing.tolerances import attention_tolerance, content_tolerance
+
+__all__ = [
+    "AttentionSpy",
+    "CacheCheckFailed",
+    "CacheOracle",
+    "KVTap",
+    "OracleFailure",
+    "RequestChecks",
+    "attention_module_of",
+    "excess_ratio",
+]
+
+
+@dataclass(frozen=True)
+class OracleFailure:
+    """One check a cache failed.
+
+    ``kind``: "content", "attention", "extract", or "capture" (a layer's
+    cache was not handed its K/V exactly once, or attention never ran on it).
+    """
+
+    kind: str
+    uid: str | None
+    layer: int | None
+    where: str
+    detail: str
+
+    def sentence(self) -> str:
+        who = f"request {self.uid}" if self.uid is not None else "the batch"
+        layer = f", layer {self.layer}" if self.layer is not None else ""
+        return f"{self.kind}: {who}{layer}, {self.where}: {self.detail}"
+
+
+@dataclass
+class RequestChecks:
+    """How many checks one request passed through, and the worst |got - want| / tolerance."""
+
+    content: int = 0
+    attention: int = 0
+    extract: int = 0
+    worst_content: float = 0.0
+    worst_attention: float = 0.0
+    worst_extract: float = 0.0
+
+    def add(self, kind: str, ratio: float):
+        setattr(self, kind, getattr(self, kind) + 1)
+        worst = f"worst_{kind}"
+        setattr(self, worst, max(getattr(self, worst), ratio))
+
+
+def _ratios(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> np.ndarray:
+    """|got - want| / tol elementwise; inf where a tolerance of 0 is exceeded or got is NaN."""
+    diff = np.abs(np.asarray(got, dtype=np.float64) - np.asarray(want, dtype=np.float64))
+    tol = np.broadcast_to(np.asarray(tol, dtype=np.float64), diff.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(diff == 0, 0.0, diff / tol)
+    return np.where(np.isnan(ratio), np.inf, ratio)  # NaN outputs never pass
+
+
+def excess_ratio(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> float:
+    """max |got - want| / tol: the check passes when this is <= 1."""
+    ratio = _ratios(got, want, tol)
+    return float(ratio.max()) if ratio.size else 0.0
+
+
+def attention_module_of(model):
+    """The module whose ``scaled_dot_product_attention`` the model's attention calls.
+
+    mlx-vlm language models import it by name into their own module (e.g.
+    ``mlx_vlm.models.qwen2.language``), which is where a spy must go.
+    """
+    module = sys.modules[type(model).__module__]
+    if not hasattr(module, "scaled_dot_product_attention"):
+        raise ValueError(f"{module.__name__} has no scaled_dot_product_attention to spy on")
+    return module
+
+
+class KVTap:
+    """Records the ``(keys, values)`` handed to one cache's ``update_and_fetch``.
+
+    Wraps the method on the instance (set now, removed by ``remove``), so it
+    works for any cache class. Calls the cache makes to itself from inside
+    ``update_and_fetch`` are not recorded twice.
+    """
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.calls: list[tuple[mx.array, mx.array]] = []
+        self._shadowed = vars(cache).get("update_and_fetch")
+        original = cache.update_and_fetch
+        depth = 0
+
+        def update_and_fetch(keys, values, *args, **kwargs):
+            nonlocal depth
+            if depth == 0:
+                self.calls.append((keys, values))
+            depth += 1
+            try:
+                return original(keys, values, *args, **kwargs)
+            finally:
+                depth -= 1
+
+        cache.update_and_fetch = update_and_fetch
+
+    def remove(self):
+        if self._shadowed is not None:
+            self.cache.update_and_fetch = self._shadowed
+        else:
+            del self.cache.update_and_fetch
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    queries: mx.array
+    output: mx.array
+    scale: float
+
+
+class AttentionSpy:
+    """Records queries, output and scale of attention calls on the given caches.
+
+    Replaces ``module.scaled_dot_product_attention`` until ``remove``;
+    ``layer_of`` maps ``id(cache)`` to a layer index, and calls on other
+    caches (the dense layers) pass through unrecorded.
+    """
+
+    def __init__(self, module, layer_of: dict[int, int]):
+        self.module = module
+        self.original = module.scaled_dot_product_attention
+        self.calls: dict[int, list[AttentionCall]] = {}
+        signature = inspect.signature(self.original)
+
+        def spy(*args, **kwargs):
+            output = self.original(*args, **kwargs)
+            arguments = signature.bind(*args, **kwargs).arguments
+            layer = layer_of.get(id(arguments.get("cache")))
+            if layer is not None:
+                call = AttentionCall(arguments["queries"], output, float(arguments["scale"]))
+                self.calls.setdefault(layer, []).append(call)
+            return output
+
+        module.scaled_dot_product_attention = spy
+
+    def remove(self):
+        self.module.scaled_dot_product_attention = self.original
+
+
+class _Reference:
+    """One request's single-request ``TurboQuantKVCache`` at one layer.
+
+    Dequantizing is lazy and cached (``pending()`` hands the arrays to one
+    batched ``mx.eval``), and a trim slices the cached tokens.
+    """
+
+    def __init__(self, bits: float, seed: int):
+        self.cache = TurboQuantKVCache(bits=bits, seed=seed)
+        self._lazy: tuple[mx.array, mx.array] | None = None
+        self._numpy: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.cache.keys is None else int(self.cache.offset)
+
+    def append(self, keys: mx.array, values: mx.array):
+        self.cache.update_and_fetch(keys, values)
+        self._lazy = self._numpy = None
+
+    def trim(self, n: int):
+        self.cache.trim(n)
+        if self._numpy is not None:  # dequantizing is per token: drop the last n
+            self._numpy = tuple(x[:, : x.shape[1] - n] for x in self._numpy)
+        self._lazy = None
+
+    def pending(self) -> list[mx.array]:
+        """The arrays ``dequantized()`` will read, to be evaluated with others."""
+        if self._numpy is not None:
+            return []
+        if self._lazy is None:
+            keys, values = self.cache.dequantize()
+            self._lazy = (keys[0], values[0])
+        return list(self._lazy)
+
+    def dequantized(self) -> tuple[np.ndarray, np.ndarray]:
+        """(H, T, D) float32 keys and values."""
+        if self._numpy is None:
+            self.pending()
+            self._numpy = (to_numpy(self._lazy[0]), to_numpy(self._lazy[1]))
+            self._lazy = None
+        return self._numpy
+
+    def attend(self, queries: mx.array, scale: float) -> tuple[mx.array, np.ndarray]:
+        """mlx-vlm attention of (1, Hq, N, D) queries, the last N tokens, causally.
+
+        Returns the (lazy) (Hq, N, D) output and the (N, T) mask used.
+        """
+        n, length = queries.shape[2], self.length
+        mask = causal_mask(n, length - n, [0])  # a lone, unpadded request
+        keys, values = self.cache.state
+        out = vlm_base.scaled_dot_product_attention(
+            queries, keys, values, cache=self.cache, scale=scale, mask=mx.array(mask)
+        )
+        return out[0], mask[0, 0]
+
+
+@dataclass(frozen=True)
+class _AttentionCheck:
+    uid: str
+    layer: int
+    queries: mx.array  # (Hq, N, D): the row's real query columns
+    got: mx.array  # the batch's output there
+    want: mx.array  # the reference's
+    mask: np.ndarray  # (N, T)
+    scale: float
+    reference: _Reference
+
+
+def _ints(x) -> list[int]:
+    if isinstance(x, mx.array):
+        x = np.array(x)
+    return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
+
+
+class CacheCheckFailed(Exception):
+    """Raised from an observer hook to end the run at the first failed check."""
+
+
+class CacheOracle(ServerObserver):
+    """Follows a ``ContinuousBatcher`` (as its observer) and checks its quantized layers.
+
+    Args:
+        model: the language model; its module's attention function is spied on.
+        bits, seed: TurboQuant configuration of the references (the server's).
+        quantized_layers: the layers holding the cache under test; the dense
+            ones are full precision and not checked.
+        stop_at_first_failure: raise ``CacheCheckFailed`` from the hook that
+            found the first failure (a mutant needs no more than one).
+
+    After the run: ``failures`` (every failed check, in order), ``checks``
+    (per request uid), ``forwards`` (forwards observed).
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        bits: float,
+        seed: int,
+        quantized_layers: Sequence[int],
+        stop_at_first_failure: bool = False,
+    ):
+        self.stop_at_first_failure = stop_at_first_failure
+        self.module = attention_module_of(model)
+        self.bits, self.seed = bits, seed
+        self.layers = tuple(quantized_layers)
+        self.references: dict[tuple[str, int], _Reference] = {}
+        self.checks: dict[str, RequestChecks] = {}
+        self.failures: list[OracleFailure] = []
+        self.forwards = 0
+
+    # ------------------------------------------------------------ observer hooks
+
+    @contextmanager
+    def forward(self, layout: ForwardLayout, caches: list) -> Iterator[None]:
+        self.forwards += 1
+        where = f"forward {self.forwards} ({layout.kind})"
+        layer_caches = {i: caches[i] for i in self.layers}
+        taps = {i: KVTap(c) for i, c in layer_caches.items()}
+        spy = AttentionSpy(self.module, {id(c): i for i, c in layer_caches.items()})
+        try:
+            yield
+        finally:
+            spy.remove()
+            for tap in taps.values():
+                tap.remove()
+        # Only reached when the forward returned: a crash propagates as is.
+        checks = []
+        for layer in self.layers:
+            kv_calls, attention_calls = taps[layer].calls, spy.calls.get(layer, [])
+            if len(kv_calls) != 1 or len(attention_calls) != 1:
+                detail = (
+                    f"update_and_fetch ran {len(kv_calls)} times and attention "
+                    f"{len(attention_calls)} times in one forward, not once each"
+                )
+                self._fail("capture", None, layer, where, detail)
+                continue
+            checks += self._feed(layout, layer, kv_calls[0], attention_calls[0])
+        # One evaluation for every reference output and dequantization (CPU time).
+        mx.eval([a for c in checks for a in (c.got, c.want, c.queries, *c.reference.pending())])
+        for c in checks:
+            self._check_attention(c, where)
+        self._stop_if_failed()
+
+    def settled(self, uids: Sequence[str], caches: list):
+        where = f"after forward {self.forwards}"
+        for layer in self.layers:
+            self._check_rows(uids, layer, caches[layer], where)
+        self._stop_if_failed()
+
+    def rolled_back(self, uids: Sequence[str], n: int):
+        for uid in uids:
+            for layer in self.layers:
+                self.references[uid, layer].trim(n)
+
+    def extracted(self, uid: str, caches: list):
+        self.check_single_caches(uid, caches, f"extract after forward {self.forwards}")
+        self._stop_if_failed()
+
+    # ------------------------------------------------------------ checks
+
+    def check_single_caches(self, uid: str, caches: list, where: str):
+        """Single-request caches (one per layer) hold exactly request ``uid``'s reference."""
+        for layer in self.layers:
+            ref, cache = self.references[uid, layer], caches[layer]
+            try:
+                held = 0 if cache.keys is None else int(cache.offset)
+                got = cache.dequantize() if held else None
+            except Exception as exc:  # a broken cache may fail to be read
+                self._fail("extract", uid, layer, where, f"reading it raised {exc!r}")
+                continue
+            if held != ref.length:
+                detail = f"holds {held} tokens, the request has {ref.length}"
+                self._fail("extract", uid, layer, where, detail)
+                continue
+            self._compare_content("extract", uid, layer, where, [to_numpy(g[0]) for g in got])
+
+    def _feed(self, layout: ForwardLayout, layer: int, kv, call) -> list[_AttentionCheck]:
+        """Feed each row's real columns to its reference; the attention checks to make."""
+        keys, values = kv
+        checks = []
+        for row, (uid, real) in enumerate(zip(layout.uids, layout.real)):
+            columns = slice(real.start, real.stop)
+            ref = self.references.get((uid, layer))
+            if ref is None:
+                ref = self.references[uid, layer] = _Reference(self.bits, self.seed)
+            ref.append(keys[row : row + 1, :, columns], values[row : row + 1, :, columns])
+            queries = call.queries[row : row + 1, :, columns]
+            want, mask = ref.attend(queries, call.scale)
+            got = call.output[row, :, columns]
+            checks.append(_AttentionCheck(uid, layer, queries[0], got, want, mask, call.scale, ref))
+        return checks
+
+    def _check_attention(self, c: _AttentionCheck, where: str):
+        ref_keys, ref_values = c.reference.dequantized()
+        queries = to_numpy(c.queries)
+        tol = attention_tolerance(queries, ref_keys, ref_values, c.mask, c.scale)
+        self._record("attention", c.uid, c.layer, where, to_numpy(c.got), to_numpy(c.want), tol)
+
+    def _check_rows(self, uids: Sequence[str], layer: int, cache, where: str):
+        try:
+            keys, values = cache.dequantize()
+            left_padding, end = _ints(cache.left_padding), int(cache.size())
+            mx.eval(
+                keys, values, *[a for uid in uids for a in self.references[uid, layer].pending()]
+            )
+            keys, values = to_numpy(keys), to_numpy(values)
+        except Exception as exc:
+            self._fail("content", None, layer, where, f"reading the batch cache raised {exc!r}")
+            return
+        if len(left_padding) != len(uids) or keys.shape[0] != len(uids):
+            detail = (
+                f"{keys.shape[0]} rows and {len(left_padding)} left paddings for "
+                f"{len(uids)} requests"
+            )
+            self._fail("content", None, layer, where, detail)
+            return
+        for row, uid in enumerate(uids):
+            start = left_padding[row]
+            got = (keys[row, :, start:end], values[row, :, start:end])
+            self._compare_content("content", uid, layer, where, got)
+
+    def _compare_content(self, kind: str, uid: str, layer: int, where: str, got):
+        want_keys, want_values = self.references[uid, layer].dequantized()
+        for name, mine, want in (("keys", got[0], want_keys), ("values", got[1], want_values)):
+            if mine.shape != want.shape:
+                detail = f"{name} have shape (H, T, D) {mine.shape}, the reference {want.shape}"
+                self._fail(kind, uid, layer, where, detail)
+                return  # the values would say the same
+            self._record(kind, uid, layer, where, mine, want, content_tolerance(want), name)
+
+    def _record(self, kind, uid, layer, where, got, want, tol, name: str = "outputs"):
+        if got.shape != want.shape:
+            detail = f"{name} have shape {got.shape}, the reference {want.shape}"
+            self._fail(kind, uid, layer, where, detail)
+            return
+        ratios = _ratios(got, want, tol)
+        ratio = float(ratios.max()) if ratios.size else 0.0
+        self.checks.setdefault(uid, RequestChecks()).add(kind, ratio)
+        if not ratio <= 1.0:
+            at = np.unravel_index(np.argmax(ratios), ratios.shape)
+            diff = abs(float(got[at]) - float(want[at]))
+            bound = float(np.broadcast_to(tol, ratios.shape)[at])
+            detail = (
+                f"{name} differ from the reference by up to {ratio:.3g}x the tolerance "
+                f"(|diff| {diff:.3g} > {bound:.3g} at {tuple(int(i) for i in at)})"
+            )
+            self._fail(kind, uid, layer, where, detail)
+
+    def _fail(self, kind, uid, layer, where, detail):
+        self.failures.append(OracleFailure(kind, uid, layer, where, detail))
+
+    def _stop_if_failed(self):
+        if self.stop_at_first_failure and self.failures:
+            raise CacheCheckFailed(self.failures[0].sentence())
