@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 
@@ -63,3 +67,28 @@ def test_tf32_where_float32_was_requested_stops_the_run(monkeypatch):
     monkeypatch.setattr(backend, "matmul_precision", lambda: "tf32")
     with pytest.raises(backend.BackendError, match="float32 was requested but matmuls run at TF32"):
         backend.check_backend()
+
+
+def _tqbatch(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "tqbatch", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_cli_reports_the_backend_and_records_the_precision_asked_for():
+    default = _tqbatch("backend", "--json")
+    assert default.returncode == 0, default.stderr
+    assert json.loads(default.stdout)["precision"] == "float32"
+    tf32 = _tqbatch("backend", "--json", "--precision", "tf32")
+    assert tf32.returncode == 0, tf32.stderr
+    info = json.loads(tf32.stdout)
+    assert info["precision"] == "tf32"
+    # Measured, not assumed: the CPU has no TF32, GPUs of CUDA / M5 have.
+    assert info["matmul_precision"] in ("float32", "tf32")
+
+
+@pytest.mark.skipif(mx.is_available(mx.gpu), reason="this MLX build has a GPU")
+def test_cli_refuses_a_device_the_build_lacks():
+    run = _tqbatch("fuzz", "--examples", "1", "--device", "gpu")
+    assert run.returncode == 3
+    assert "no gpu backend" in run.stderr

@@ -187,7 +187,7 @@ def test_batch_of_one_with_left_padding_never_attends_padding():
     first = _b1_left_padded_run(poison_seed=1)
     assert_attention_matches(first)  # equal to attention over the real tokens alone
     second = _b1_left_padded_run(poison_seed=2)
-    for (a, _), (b, _) in zip(first, second):  # and the poison does not move anything
+    for (a, *_), (b, *_) in zip(first, second):  # and the poison does not move anything
         np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
@@ -210,7 +210,7 @@ def test_batch_of_one_with_right_padding_never_attends_padding_after_finalize():
     first = _b1_right_padded_run(poison_seed=1)
     assert_attention_matches(first)
     second = _b1_right_padded_run(poison_seed=2)
-    for (a, _), (b, _) in zip(first, second):
+    for (a, *_), (b, *_) in zip(first, second):
         np.testing.assert_array_equal(np.array(a), np.array(b))
 
 

@@ -6,7 +6,7 @@ code). :mod:`tqbatch.cli` discovers them with :mod:`pkgutil`; modules whose
 names start with ``_`` are helpers, not commands.
 """
 
-from tqbatch.testing import backend
+from tqbatch.testing.backend import DEVICES, PRECISIONS
 
 
 def add_impl_argument(parser, help: str = "cache under test") -> None:
@@ -23,14 +23,14 @@ def add_backend_arguments(parser) -> None:
     """``--precision`` and ``--device``, which every command takes (see tqbatch.testing.backend)."""
     parser.add_argument(
         "--precision",
-        choices=backend.PRECISIONS,
+        choices=PRECISIONS,
         default=None,
         help="float32 matmul precision: float32 (default: MLX_ENABLE_TF32=0) or tf32, "
         "as CUDA and Apple M5 GPUs serve (default: $TQBATCH_PRECISION)",
     )
     parser.add_argument(
         "--device",
-        choices=backend.DEVICES,
+        choices=DEVICES,
         default=None,
         help="MLX default device (default: $TQBATCH_DEVICE, else MLX's own default)",
     )
