@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -44,6 +45,10 @@ def test_fuzz_failure_is_saved_and_replays(tmp_path):
     assert "shrunk op sequence" in run.stdout + run.stderr
     saved = sorted((tmp_path / "failures").glob("*.json"))
     assert len(saved) == 1
+    found_on = json.loads(saved[0].read_text())["found_on"]
+    # Where it was found, so a GPU-only failure is not chased on a CPU.
+    assert found_on["backend"]["precision"] == found_on["backend"]["matmul_precision"] == "float32"
+    assert found_on["options"]["impl"] == MUTANT and "size()" in found_on["error"]
 
     # The saved scenario reproduces the failure against the mutant...
     again = _tqbatch("replay", str(saved[0]), "--impl", MUTANT, cwd=tmp_path)
