@@ -7,6 +7,7 @@ import sys
 
 from tqbatch import bench
 from tqbatch.commands import add_impl_argument
+from tqbatch.testing.backend import describe_line
 from tqbatch.testing.impl import ImplSpecError, capabilities
 
 # Capabilities (tqbatch.testing.impl.capabilities) each timed op needs besides merge.
@@ -95,6 +96,7 @@ def run(args) -> int:
         ops=args.ops,
         progress=lambda what: print(f"timing {what}", file=sys.stderr, flush=True),
     )
+    print(f"backend: {describe_line(args.backend)}")
     print(
         f"target: {impl.__module__}.{impl.__qualname__}; median of {parameters.rounds} rounds"
         f" ({bench.OVERHEAD_ROUNDS_FACTOR * parameters.rounds} for decode-overhead),"

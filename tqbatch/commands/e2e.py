@@ -8,6 +8,7 @@ import textwrap
 import tqbatch.e2e
 from tqbatch.commands import add_impl_argument
 from tqbatch.e2e import REQUESTS, ModelSpec, ScenarioResult, run_scenario
+from tqbatch.testing.backend import describe_line
 
 # What the model-level numbers mean, measured with tqbatch's cache on this
 # project's CPU (float32) over weight seeds 0-9: see tqbatch.e2e's docstring.
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     spec = ModelSpec(num_layers=args.layers, seed=args.model_seed)
     print(spec.describe())
+    print(f"backend: {describe_line(args.backend)}")
     print(
         f"cache: {impl.__module__}.{impl.__qualname__}, {args.bits:g} bits, seed {args.seed}; "
         f"layer {spec.num_layers - 1} dense (mlx-lm BatchKVCache)"

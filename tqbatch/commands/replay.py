@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from tqbatch.commands import add_impl_argument
+from tqbatch.testing.backend import describe_line
 from tqbatch.testing.impl import ImplSpecError, load_impl
 from tqbatch.testing.scenario import ScenarioError, discover, replay
 
@@ -53,6 +54,7 @@ def run(args) -> int:
     if not paths:
         print("tqbatch replay: no scenario files found", file=sys.stderr)
         return EXIT_USAGE
+    print(f"backend: {describe_line(args.backend)}")
     failed = skipped = 0
     for path in paths:
         try:
