@@ -46,7 +46,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 from tqbatch.serving import ForwardLayout, ServerObserver
 from tqbatch.testing.model import causal_mask
 from tqbatch.testing.reference import to_numpy
-from tqbatch.testing.tolerances import attention_tolerance, content_tolerance
+from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, excess_ratios
 
 __all__ = [
     "AttentionSpy",
@@ -56,7 +56,6 @@ __all__ = [
     "OracleFailure",
     "RequestChecks",
     "attention_module_of",
-    "excess_ratio",
 ]
 
 
@@ -95,21 +94,6 @@ class RequestChecks:
         setattr(self, kind, getattr(self, kind) + 1)
         worst = f"worst_{kind}"
         setattr(self, worst, max(getattr(self, worst), ratio))
-
-
-def _ratios(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> np.ndarray:
-    """|got - want| / tol elementwise; inf where a tolerance of 0 is exceeded or got is NaN."""
-    diff = np.abs(np.asarray(got, dtype=np.float64) - np.asarray(want, dtype=np.float64))
-    tol = np.broadcast_to(np.asarray(tol, dtype=np.float64), diff.shape)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(diff == 0, 0.0, diff / tol)
-    return np.where(np.isnan(ratio), np.inf, ratio)  # NaN outputs never pass
-
-
-def excess_ratio(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> float:
-    """max |got - want| / tol: the check passes when this is <= 1."""
-    ratio = _ratios(got, want, tol)
-    return float(ratio.max()) if ratio.size else 0.0
 
 
 def attention_module_of(model):
@@ -431,7 +415,7 @@ class CacheOracle(ServerObserver):
             detail = f"{name} have shape {got.shape}, the reference {want.shape}"
             self._fail(kind, uid, layer, where, detail)
             return
-        ratios = _ratios(got, want, tol)
+        ratios = excess_ratios(got, want, tol)
         ratio = float(ratios.max()) if ratios.size else 0.0
         self.checks.setdefault(uid, RequestChecks()).add(kind, ratio)
         if not ratio <= 1.0:

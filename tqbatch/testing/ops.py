@@ -40,7 +40,7 @@ from tqbatch.testing.backend import matmul_precision
 from tqbatch.testing.impl import OPS_BY_CAPABILITY, capabilities, load_impl
 from tqbatch.testing.model import BatchModel, attention
 from tqbatch.testing.reference import DenseOracle, TurboReferences, to_numpy
-from tqbatch.testing.tolerances import attention_tolerance, content_tolerance
+from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, excess_ratios
 
 __all__ = [
     "MASK_CHECKS",
@@ -670,7 +670,7 @@ class World:
                 tol = content_tolerance(want)
                 excess = _excess(got, want, tol)
                 if excess is not None:
-                    outside = ~(np.abs(got - want) <= tol)  # NaN counts as outside
+                    outside = excess_ratios(got, want, tol) > 1.0
                     bad = np.argwhere(outside.any(axis=(0, 2)))[:, 0]
                     _fail(
                         op,
@@ -681,13 +681,13 @@ class World:
 
 def _excess(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> str | None:
     """None if ``|got - want| <= tol`` everywhere (and got is finite), else what went past."""
-    diff = np.abs(np.asarray(got, dtype=np.float64) - want)
-    outside = ~(diff <= tol)  # NaN and inf count as outside
-    if not outside.any():
+    ratios = excess_ratios(got, want, tol)
+    if not ratios.size or ratios.max() <= 1.0:
         return None
-    tol = np.broadcast_to(tol, diff.shape)
-    worst = np.unravel_index(np.argmax(np.where(outside, diff - tol, -np.inf)), diff.shape)
-    return f"{diff[worst]:.3g} (bound {tol[worst]:.3g} at {matmul_precision()} precision)"
+    worst = np.unravel_index(np.argmax(ratios), ratios.shape)
+    diff = abs(float(got[worst]) - float(want[worst]))
+    bound = float(np.broadcast_to(tol, ratios.shape)[worst])
+    return f"{diff:.3g} (bound {bound:.3g} at {matmul_precision()} precision)"
 
 
 def _single_mask(n_queries: int, past: int, window) -> np.ndarray:

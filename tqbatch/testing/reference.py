@@ -154,10 +154,14 @@ class TurboReferences:
     def __init__(self, bits: float, seed: int, key_bits=None, value_bits=None):
         self.config = dict(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
         self.caches: dict[int, TurboQuantKVCache] = {}
+        # dequantized() per request until the request's tokens change: an
+        # attend op and the check after it both read every row's reference.
+        self._dequantized: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def new(self, request_id: int) -> TurboQuantKVCache:
         cache = TurboQuantKVCache(**self.config)
         self.caches[request_id] = cache
+        self._dequantized.pop(request_id, None)
         return cache
 
     def get(self, request_id: int) -> TurboQuantKVCache:
@@ -165,12 +169,14 @@ class TurboReferences:
 
     def absorb(self, other: TurboReferences):
         self.caches.update(other.caches)
+        self._dequantized.update(other._dequantized)
 
     def append(self, request_id: int, keys: np.ndarray, values: np.ndarray):
         """Append (H, T, D) tokens to a request; returns the fetched states (or None)."""
         cache = self.caches[request_id]
         if keys.shape[1] == 0:
             return None
+        self._dequantized.pop(request_id, None)
         out = cache.update_and_fetch(mx.array(keys[None]), mx.array(values[None]))
         mx.eval(cache.keys, cache.values)
         return out
@@ -178,18 +184,24 @@ class TurboReferences:
     def trim(self, request_id: int, n: int):
         if n > 0:
             self.caches[request_id].trim(n)
+            self._dequantized.pop(request_id, None)
 
     def length(self, request_id: int) -> int:
         cache = self.caches[request_id]
         return 0 if cache.keys is None else int(cache.offset)
 
     def dequantized(self, request_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """(H, T, D) float32 keys and values the reference holds for a request."""
+        """(H, T, D) float32 keys and values the reference holds for a request (read-only)."""
         cache = self.caches[request_id]
         if cache.keys is None or cache.offset == 0:
             return None, None
-        k, v = cache.dequantize()
-        return to_numpy(k[0]), to_numpy(v[0])
+        if request_id not in self._dequantized:
+            k, v = cache.dequantize()
+            k, v = to_numpy(k[0]), to_numpy(v[0])
+            k.setflags(write=False)
+            v.setflags(write=False)
+            self._dequantized[request_id] = (k, v)
+        return self._dequantized[request_id]
 
     def drop_except(self, request_ids):
         keep = set(request_ids)

@@ -46,6 +46,7 @@ __all__ = [
     "OPERAND_ROUNDOFF",
     "attention_tolerance",
     "content_tolerance",
+    "excess_ratios",
     "inner_product_error",
 ]
 
@@ -152,3 +153,16 @@ def attention_tolerance(
     spread = np.einsum("hnt,hntd->hnd", weights, np.abs(v[:, None] - out[:, :, None]))
     magnitude = np.einsum("hnt,ht->hn", weights, np.linalg.norm(v, axis=-1))[..., None]
     return 2.0 * max_score_err * spread + 2.0 * (e_t + e_d) * magnitude
+
+
+def excess_ratios(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> np.ndarray:
+    """``|got - want| / tol`` elementwise: a comparison passes where this is <= 1.
+
+    0 where the two are equal (even with a tolerance of 0); inf where a
+    tolerance of 0 is exceeded or ``got`` is NaN, so NaN never passes.
+    """
+    diff = np.abs(np.asarray(got, dtype=np.float64) - np.asarray(want, dtype=np.float64))
+    tol = np.broadcast_to(np.asarray(tol, dtype=np.float64), diff.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(diff == 0, 0.0, diff / tol)
+    return np.where(np.isnan(ratio), np.inf, ratio)
