@@ -22,7 +22,9 @@ from numbers import Integral
 
 import mlx.core as mx
 from mlx.utils import tree_map
+from mlx_lm.models import cache as lm_cache
 from mlx_lm.models.base import create_causal_mask
+from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.turboquant import (
     TurboQuantKVCache,
     TurboQuantMSEState,
@@ -32,6 +34,15 @@ from mlx_vlm.turboquant import (
 from tqbatch import _packed
 
 __all__ = ["BatchTurboQuantKVCache", "BatchableTurboQuantKVCache"]
+
+# Full-precision caches a batch accepts and quantizes on the way in, as
+# ``TurboQuantKVCache.from_cache`` would. Exact classes: a subclass may keep
+# another window of tokens (mlx-lm's ChunkedKVCache drops old ones).
+FULL_PRECISION_SINGLES = (lm_cache.KVCache, vlm_cache.KVCache)
+FULL_PRECISION_BATCHES = (lm_cache.BatchKVCache, vlm_cache.BatchKVCache)
+
+# (base class, config) -> configured subclass; see BatchTurboQuantKVCache.configured.
+_CONFIGURED: dict[tuple[type, tuple], type] = {}
 
 
 def _int_list(values, name: str, *, length: int | None = None) -> list[int]:
@@ -72,6 +83,77 @@ def _check_integral_side_bits(key_bits, value_bits):
             )
 
 
+def _config_of(cache: TurboQuantKVCache) -> tuple:
+    return (cache.bits, cache.key_bits, cache.value_bits, cache.seed)
+
+
+def _name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__name__}"
+
+
+def _quantized_single(cache, config: tuple, what: str) -> TurboQuantKVCache:
+    """A full-precision single cache's tokens in a ``TurboQuantKVCache`` of ``config``.
+
+    As ``TurboQuantKVCache.from_cache`` does: the written tokens go
+    through ``update_and_fetch`` at once, and quantization is per token, so
+    each token gets the codes it would have got written one at a time.
+    """
+    bits, key_bits, value_bits, seed = config
+    single = TurboQuantKVCache(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
+    # Read the attributes, not ``state``: mlx-lm's KVCache.state is (keys,
+    # values, offset) over the whole allocation, mlx-vlm's the written slots.
+    written = int(cache.offset)
+    if cache.keys is None or written == 0:
+        return single
+    keys, values = cache.keys[..., :written, :], cache.values[..., :written, :]
+    if keys.ndim != 4 or keys.shape[0] != 1 or values.shape[:3] != keys.shape[:3]:
+        raise ValueError(
+            f"{what} holds keys {keys.shape} and values {values.shape}; a single-request "
+            "cache holds (1, H, T, D)"
+        )
+    single.update_and_fetch(keys, values)
+    return single
+
+
+def _check_packed_width(codec, state, name: str):
+    """A packed state's index width is the one ``codec`` writes, or a ValueError."""
+    if codec is None:
+        raise ValueError(f"no head_dim is known for the state's {name}")
+    width = (codec.dim * codec.bits + 31) // 32
+    if state.indices.shape[-1] != width:
+        raise ValueError(
+            f"meta_state head_dim {codec.dim} at {codec.bits} bits needs packed "
+            f"width {width}; the state's {name} have {state.indices.shape[-1]}"
+        )
+
+
+def _parse_meta_state(value) -> tuple[int, TurboQuantKVCache, list[int] | None]:
+    """(written end, a probe cache holding the configuration and codecs, right padding)."""
+    if len(value) != 8:
+        raise ValueError(
+            f"meta_state must have 8 fields as returned by .meta_state, got {len(value)}"
+        )
+    end, bits, seed, key_bits, value_bits, key_dim, value_dim, pending = value
+    end, seed, key_dim, value_dim = int(end), int(seed), int(key_dim), int(value_dim)
+    if end < 0:
+        raise ValueError(f"meta_state written end must be non-negative, got {end}")
+    right = (
+        _padding_list([int(p) for p in pending.split(",")], "right_padding") if pending else None
+    )
+    _check_integral_side_bits(key_bits, value_bits)
+    # Validate the configuration on a scratch instance before touching the cache.
+    probe = TurboQuantKVCache(
+        bits=float(bits), seed=seed, key_bits=float(key_bits), value_bits=float(value_bits)
+    )
+    if key_dim > 0 and value_dim > 0:
+        probe._ensure_codecs(mx.zeros((1, 1, 1, key_dim)), mx.zeros((1, 1, 1, value_dim)))
+    return end, probe, right
+
+
+def _restore_pickled(cls):
+    return cls.__new__(cls)
+
+
 def _unwrap(state):
     return state._state if isinstance(state, _QuantizedStateProxy) else state
 
@@ -104,7 +186,15 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         seed: codec seed; rows quantize exactly as a ``TurboQuantKVCache``
             with the same ``bits`` and ``seed``.
         key_bits, value_bits: integer overrides of the per-side bits.
+
+    Every instance's class is ``BatchTurboQuantKVCache.configured(...)`` for
+    its configuration (a subclass; ``isinstance`` checks are unaffected), so
+    ``type(cache).merge`` can quantize full-precision members even when none
+    of them carries a configuration.
     """
+
+    # Set on the subclasses that ``configured`` builds.
+    _configuration: tuple | None = None
 
     def __init__(
         self,
@@ -124,6 +214,58 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         self.offset = -self.left_padding
         self._end = 0  # written physical end; never named `_idx` (mlx-vlm rollback keys on it)
         self._right_padding: mx.array | None = None
+        self._restoring: tuple | None = None  # meta_state awaiting its state
+        self._retype()
+
+    # ------------------------------------------------------------------ configuration
+
+    @classmethod
+    def configured(
+        cls,
+        bits: float = 4.0,
+        seed: int = 0,
+        *,
+        key_bits: float | None = None,
+        value_bits: float | None = None,
+    ) -> type:
+        """This class bound to one TurboQuant configuration.
+
+        ``configured(bits=3.5).merge(members)`` quantizes full-precision
+        members at 3.5 bits. mlx-vlm's qwen3_5 relies on it without knowing:
+        it runs left-padded rows alone in fresh full-precision ``KVCache``s and
+        re-batches them with ``cache.__class__.merge(rows)``.
+        """
+        _check_integral_side_bits(key_bits, value_bits)
+        probe = TurboQuantKVCache(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
+        return cls._for_config(_config_of(probe))
+
+    @classmethod
+    def _for_config(cls, config: tuple) -> type:
+        base = cls.__dict__.get("_configured_from", cls)
+        key = (base, config)
+        if key not in _CONFIGURED:
+            namespace = {
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__,
+                "_configuration": config,
+                "_configured_from": base,
+            }
+            _CONFIGURED[key] = type(base.__name__, (base,), namespace)
+        return _CONFIGURED[key]
+
+    def _retype(self):
+        self.__class__ = type(self)._for_config(self.config)
+
+    def __reduce__(self):
+        # Pickle by the unconfigured class (importable by name); the instance
+        # dict restores the configuration and __setstate__ the class.
+        base = type(self).__dict__.get("_configured_from", type(self))
+        return (_restore_pickled, (base,), self.__dict__)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._retype()
 
     # ------------------------------------------------------------------ basics
 
@@ -156,6 +298,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
     def _invalidate(self):
         self._cached_state = None
         self._cached_state_offset = -1
+        self._restoring = None
 
     def _written(self):
         return (
@@ -304,8 +447,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         self._invalidate()
 
     def _check_same_config(self, other: TurboQuantKVCache, op: str):
-        mine = self.config
-        theirs = (other.bits, other.key_bits, other.value_bits, other.seed)
+        mine, theirs = self.config, _config_of(other)
         if mine != theirs:
             raise ValueError(
                 f"{op}: mixed TurboQuant configurations (bits, key_bits, value_bits, seed) "
@@ -320,12 +462,20 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             if h1 != h2:
                 raise ValueError(f"{op}: {h1} and {h2} KV heads cannot share a batch")
 
-    def extend(self, other: BatchTurboQuantKVCache):
-        """Append the rows of ``other``, right-aligning both on the larger written end."""
-        if not isinstance(other, BatchTurboQuantKVCache):
+    def extend(self, other):
+        """Append the rows of ``other``, right-aligning both on the larger written end.
+
+        ``other`` is a ``BatchTurboQuantKVCache`` of the same configuration, or
+        a full-precision ``BatchKVCache`` (mlx-lm's or mlx-vlm's, no right
+        padding pending) whose written tokens are quantized with this cache's
+        configuration, each row exactly as a single ``TurboQuantKVCache`` would.
+        """
+        if type(other) in FULL_PRECISION_BATCHES:
+            other = self._quantized_batch(other)
+        elif not isinstance(other, BatchTurboQuantKVCache):
             raise TypeError(
-                f"extend expects a BatchTurboQuantKVCache, got {type(other).__module__}."
-                f"{type(other).__name__}"
+                "extend expects a BatchTurboQuantKVCache or a full-precision BatchKVCache, "
+                f"got {_name(other)}"
             )
         self._check_same_config(other, "extend")
 
@@ -361,6 +511,39 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             self.key_codec, self.value_codec = other.key_codec, other.value_codec
         self._invalidate()
 
+    def _quantized_batch(self, dense) -> BatchTurboQuantKVCache:
+        """A full-precision ``BatchKVCache`` as a batch of this configuration (new arrays)."""
+        if getattr(dense, "_right_padding", None) is not None:
+            raise ValueError(
+                f"extend: the {type(dense).__name__} has right padding pending; "
+                "call its finalize() first"
+            )
+        padding = _padding_list(dense.left_padding, f"{type(dense).__name__} left_padding")
+        converted = type(self)(
+            padding,
+            bits=self.bits,
+            seed=self.seed,
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+        )
+        written = int(dense._idx)
+        if dense.keys is not None and written > 0:
+            keys, values = dense.keys[..., :written, :], dense.values[..., :written, :]
+            # Quantization is per token: padding slots get codes too, but the
+            # real tokens' codes are exactly those of each request alone.
+            converted.update_and_fetch(keys, values)
+        drift = [
+            (o, c)
+            for o, c in zip(_int_list(dense.offset, "offset"), converted.offset.tolist())
+            if o != c
+        ]
+        if drift:
+            raise ValueError(
+                f"extend: the {type(dense).__name__}'s offsets are not its written end "
+                f"minus left padding ({drift})"
+            )
+        return converted
+
     def extract(self, idx: int) -> BatchableTurboQuantKVCache:
         """Row ``idx`` as a single-request cache holding its tokens only.
 
@@ -395,24 +578,65 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         return single
 
     @classmethod
-    def merge(cls, caches: Sequence[TurboQuantKVCache]) -> BatchTurboQuantKVCache:
-        """Batch single-request caches, left-padding the shorter ones."""
+    def merge(cls, caches: Sequence) -> BatchTurboQuantKVCache:
+        """Batch single-request caches, left-padding the shorter ones.
+
+        Members are single-request TurboQuant caches (mlx-vlm's
+        ``TurboQuantKVCache``, ``BatchableTurboQuantKVCache``) or full-precision
+        ``KVCache``s of mlx-lm or mlx-vlm, empty or not. Full-precision tokens
+        are quantized exactly as a ``TurboQuantKVCache`` of the batch's
+        configuration would quantize them. That configuration is the TurboQuant
+        members'; with none among them, the class's (``type(cache).merge`` or
+        ``configured(...).merge``).
+
+        Raises:
+            TypeError: a member of another type (batch caches, rotating or
+                affine-quantized caches), or only full-precision members and
+                no configured class to say how to quantize them.
+            ValueError: no members; members (or the class) of different
+                configurations, KV head counts or head dims; a member with
+                more than one row.
+        """
         caches = list(caches)
         if not caches:
             raise ValueError("merge needs at least one cache")
-        for c in caches:
-            if not isinstance(c, TurboQuantKVCache) or isinstance(c, BatchTurboQuantKVCache):
+        for i, c in enumerate(caches):
+            single_tq = isinstance(c, TurboQuantKVCache) and not isinstance(
+                c, BatchTurboQuantKVCache
+            )
+            if not single_tq and type(c) not in FULL_PRECISION_SINGLES:
                 raise TypeError(
-                    "merge expects single-request mlx_vlm TurboQuantKVCache members, got "
-                    f"{type(c).__module__}.{type(c).__name__}"
+                    "merge expects single-request caches (mlx_vlm TurboQuantKVCache, or "
+                    f"mlx-lm / mlx-vlm KVCache); member {i} is {_name(c)}"
                 )
-        configs = {(c.bits, c.key_bits, c.value_bits, c.seed) for c in caches}
+        configs = {_config_of(c) for c in caches if isinstance(c, TurboQuantKVCache)}
+        if cls._configuration is not None:
+            configs.add(cls._configuration)
         if len(configs) > 1:
             raise ValueError(
                 "merge: mixed TurboQuant configurations (bits, key_bits, value_bits, seed) "
                 f"{sorted(configs)} cannot share a batch"
             )
-        bits, key_bits, value_bits, seed = configs.pop()
+        if not configs:
+            raise TypeError(
+                "merge: every member is a full-precision KVCache and this class has no "
+                "TurboQuant configuration to quantize them with; call type(batch).merge or "
+                "BatchTurboQuantKVCache.configured(bits=..., seed=...).merge"
+            )
+        config = configs.pop()
+        for i, c in enumerate(caches):
+            if isinstance(c, TurboQuantKVCache) and c.keys is not None:
+                rows = _packed.rows(_unwrap(c.keys))
+                if rows != 1:
+                    raise ValueError(f"merge: member {i} holds {rows} rows, not one")
+        # Members are never modified: full-precision ones are copied into new caches.
+        caches = [
+            c
+            if isinstance(c, TurboQuantKVCache)
+            else _quantized_single(c, config, f"merge: member {i} ({_name(c)})")
+            for i, c in enumerate(caches)
+        ]
+        bits, key_bits, value_bits, seed = config
         lengths = [int(c.offset) if c.keys is not None else 0 for c in caches]
         longest = max(lengths)
         batch = cls(
@@ -524,12 +748,28 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
                 f"state offset {offset} is inconsistent with left_padding {left_padding} "
                 f"and written end {end} (offset must equal end - left_padding)"
             )
+        right = None
+        restoring = getattr(self, "_restoring", None)
+        if restoring is not None:  # meta_state came first (omlx's order): hold the state to it
+            meta_end, right = restoring
+            if end != meta_end:
+                raise ValueError(
+                    f"state has written end {end}; the meta_state set before it says {meta_end}"
+                )
+            if right is not None and len(right) != len(offset):
+                raise ValueError(
+                    f"the meta_state set before this state has right padding {right} "
+                    f"for {len(right)} rows; the state has {len(offset)}"
+                )
+            if keys is not None:
+                _check_packed_width(self.key_codec, keys, "keys")
+                _check_packed_width(self.value_codec, values, "values")
         self.keys = _packed.detach(keys) if keys is not None else None
         self.values = _packed.detach(values) if values is not None else None
         self.offset = mx.array(offset, dtype=mx.int32)
         self.left_padding = mx.array(left_padding, dtype=mx.int32)
         self._end = end
-        self._right_padding = None
+        self._right_padding = mx.array(right, dtype=mx.int32) if right is not None else None
         if not hasattr(self, "key_codec"):  # created by from_state without __init__
             self.key_codec = self.value_codec = None
         self._invalidate()
@@ -554,57 +794,60 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
 
     @meta_state.setter
     def meta_state(self, value):
-        if len(value) != 8:
-            raise ValueError(
-                f"meta_state must have 8 fields as returned by .meta_state, got {len(value)}"
-            )
-        end, bits, seed, key_bits, value_bits, key_dim, value_dim, pending = value
-        end, seed, key_dim, value_dim = int(end), int(seed), int(key_dim), int(value_dim)
+        """Set after ``state`` (mlx-lm's ``from_state``), or before it (omlx's restore).
+
+        After: the meta_state must describe the state held. Before, or on an
+        empty cache: the configuration (bits, seed, codecs) is taken now, and
+        the next ``state`` must have the written end and row count it names.
+        Either way a rejected meta_state changes nothing.
+        """
+        end, probe, right = _parse_meta_state(value)
         keys = getattr(self, "keys", None)
-        capacity = _packed.length(keys) if keys is not None else 0
-        implied = {o + lp for o, lp in zip(self.offset.tolist(), self.left_padding.tolist())}
-        if end > capacity or implied != {end}:
-            raise ValueError(
-                f"meta_state written end {end} does not match the state "
-                f"({capacity} slots, offset + left_padding = {sorted(implied)})"
+        if keys is not None:
+            capacity = _packed.length(keys)
+            implied = {o + lp for o, lp in zip(self.offset.tolist(), self.left_padding.tolist())}
+            if end > capacity or implied != {end}:
+                raise ValueError(
+                    f"meta_state written end {end} does not match the state "
+                    f"({capacity} slots, offset + left_padding = {sorted(implied)})"
+                )
+            if right is not None and len(right) != self.batch_size:
+                raise ValueError(
+                    f"meta_state right padding {right} does not match {self.batch_size} rows"
+                )
+            if probe.key_codec is None:
+                raise ValueError("meta_state lacks head_dim for a non-empty state")
+            _check_packed_width(probe.key_codec, keys, "keys")
+            _check_packed_width(probe.value_codec, self.values, "values")
+        elif "left_padding" not in vars(self):  # made by __new__: start from an empty row
+            BatchTurboQuantKVCache.__init__(
+                self,
+                [0],
+                bits=probe.bits,
+                seed=probe.seed,
+                key_bits=probe.key_bits,
+                value_bits=probe.value_bits,
             )
-        right = (
-            _padding_list([int(p) for p in pending.split(",")], "right_padding")
-            if pending
-            else None
-        )
-        if right is not None and len(right) != self.batch_size:
+        elif end == 0 and right is not None and len(right) != self.batch_size:
             raise ValueError(
                 f"meta_state right padding {right} does not match {self.batch_size} rows"
             )
-        _check_integral_side_bits(key_bits, value_bits)
-        # Validate the configuration on a scratch instance before touching self.
-        probe = TurboQuantKVCache(
-            bits=float(bits), seed=seed, key_bits=float(key_bits), value_bits=float(value_bits)
-        )
-        if keys is not None and (key_dim <= 0 or value_dim <= 0):
-            raise ValueError("meta_state lacks head_dim for a non-empty state")
-        if key_dim > 0 and value_dim > 0:
-            probe._ensure_codecs(mx.zeros((1, 1, 1, key_dim)), mx.zeros((1, 1, 1, value_dim)))
-        if keys is not None:
-            for name, codec, s in (
-                ("keys", probe.key_codec, keys),
-                ("values", probe.value_codec, self.values),
-            ):
-                width = (codec.dim * codec.bits + 31) // 32
-                if s.indices.shape[-1] != width:
-                    raise ValueError(
-                        f"meta_state head_dim {codec.dim} at {codec.bits} bits needs packed "
-                        f"width {width}; the state's {name} have {s.indices.shape[-1]}"
-                    )
         self.bits, self.key_bits, self.value_bits = probe.bits, probe.key_bits, probe.value_bits
-        self.seed = seed
-        self._end = end
+        self.seed = probe.seed
         # Codecs are a pure function of (head_dim, bits, seed): rebuild them
         # from the recorded head_dim, never guess it from the packed width.
         self.key_codec, self.value_codec = probe.key_codec, probe.value_codec
-        self._right_padding = mx.array(right, dtype=mx.int32) if right is not None else None
-        self._invalidate()
+        pending = mx.array(right, dtype=mx.int32) if right is not None else None
+        if keys is not None:
+            self._end = end
+            self._right_padding = pending
+            self._invalidate()
+        else:
+            self._invalidate()
+            if end == 0 and right is not None and len(right) == self.batch_size:
+                self._right_padding = pending  # a prefill declared on an empty cache
+            self._restoring = (end, right)  # checked and completed by the next state
+        self._retype()
 
     @classmethod
     def from_state(cls, state, meta_state) -> BatchTurboQuantKVCache:

@@ -110,7 +110,7 @@ BAD_INPUT = {
         "ValueError",
     ),
     "extend_foreign_type": (
-        {"op": "extend", "other": [NEW1], "as_dense": True},
+        {"op": "extend", "other": [NEW1], "foreign": True},
         "TypeError",
     ),
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatchTurboQuantKVCache
 from mlx_vlm.turboquant import TurboQuantKVCache, TurboQuantMSEState
 
@@ -125,10 +125,17 @@ def test_prepare_left_padding_on_a_non_empty_cache(batch, rng):
 
 
 def _foreign_caches():
+    """Caches a batch must refuse: batch caches, and single caches that are not
+    TurboQuant or plain full-precision KVCaches (their tokens are not the request's
+    exact K/V: affine-quantized, or a rotating window)."""
     kv = KVCache()
     kv.update_and_fetch(mx.zeros((1, 2, 2, 64)), mx.zeros((1, 2, 2, 64)))
+    quantized = QuantizedKVCache(group_size=64, bits=4)
+    quantized.update_and_fetch(mx.zeros((1, 2, 2, 64)), mx.zeros((1, 2, 2, 64)))
     return {
         "mlx_lm.KVCache": kv,
+        "mlx_lm.QuantizedKVCache": quantized,
+        "mlx_lm.RotatingKVCache": RotatingKVCache(max_size=8),
         "mlx_lm.BatchKVCache": BatchKVCache([0]),
         "mlx_vlm.BatchTurboQuantKVCache": VlmBatchTurboQuantKVCache([0], bits=4.0),
         "tqbatch batch": Impl([0]),
@@ -136,7 +143,12 @@ def _foreign_caches():
     }
 
 
-@pytest.mark.parametrize("name", list(_foreign_caches()))
+# KVCache joins a merge and BatchKVCache an extend (quantized on the way in).
+MERGE_REFUSES = [n for n in _foreign_caches() if n != "mlx_lm.KVCache"]
+EXTEND_REFUSES = [n for n in _foreign_caches() if n not in ("mlx_lm.BatchKVCache", "tqbatch batch")]
+
+
+@pytest.mark.parametrize("name", MERGE_REFUSES)
 def test_merge_rejects_foreign_members(name, rng):
     good = TurboQuantKVCache(bits=4.0)
     good.update_and_fetch(normal(rng, (1, 2, 3, 64)), normal(rng, (1, 2, 3, 64)))
@@ -176,9 +188,7 @@ def test_merge_rejects_members_of_different_shapes(shapes, pattern, rng):
 # ---------------------------------------------------------------- extend
 
 
-@pytest.mark.parametrize(
-    "name", ["mlx_lm.KVCache", "mlx_lm.BatchKVCache", "mlx_vlm.BatchTurboQuantKVCache"]
-)
+@pytest.mark.parametrize("name", EXTEND_REFUSES)
 def test_extend_rejects_foreign_caches(any_batch, name, rng):
     foreign = _foreign_caches()[name]
     tq = any_batch.tq

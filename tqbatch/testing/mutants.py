@@ -390,3 +390,32 @@ def describe(name: str) -> str:
 def import_path(name: str) -> str:
     """``module:Class`` path of mutant ``name``, as TQBATCH_IMPL takes it."""
     return f"{__name__}:{MUTANTS[name].__name__}"
+
+
+@_historical
+class MergeDropsFullPrecisionMembers(BatchTurboQuantKVCache):
+    """merge treats full-precision KVCache members as empty rows, as mlx-vlm's
+    prefix_cache_merge does for any row that is not TurboQuant: their tokens are lost."""
+
+    @classmethod
+    def merge(cls, caches):
+        caches = list(caches)
+        configs = [c for c in caches if isinstance(c, TurboQuantKVCache)]
+        config = (
+            (configs[0].bits, configs[0].key_bits, configs[0].value_bits, configs[0].seed)
+            if configs
+            else cls._configuration
+        )
+        if config is None:
+            return super().merge(caches)
+        bits, key_bits, value_bits, seed = config
+        return super().merge(
+            [
+                c
+                if isinstance(c, TurboQuantKVCache)
+                else TurboQuantKVCache(
+                    bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits
+                )
+                for c in caches
+            ]
+        )

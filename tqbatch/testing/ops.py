@@ -32,7 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, QuantizedKVCache
 from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.turboquant import TurboQuantKVCache
 
@@ -289,14 +289,27 @@ class World:
             for n in lengths
         ]
         seeds = op.get("member_seeds") or [self.seed] * len(lengths)
+        full_precision = set(op.get("full_precision") or ())
         if op.get("foreign"):
-            singles = [KVCache() for _ in lengths]  # mlx-lm's, not TurboQuant
+            # Affine-quantized: not the request's exact K/V, so never a member.
+            # Left empty (its group sizes do not divide every head_dim): the
+            # type alone must be refused.
+            singles = [QuantizedKVCache(group_size=32, bits=4) for _ in lengths]
         else:
-            singles = [self._single(s) for s in seeds]
+            singles = [
+                KVCache() if i in full_precision else self._single(s) for i, s in enumerate(seeds)
+            ]
         for single, (k, v) in zip(singles, members):
-            if k.shape[1]:
+            if k.shape[1] and not op.get("foreign"):
                 single.update_and_fetch(mx.array(k[None]), mx.array(v[None]))
-        target = self.impl.merge(singles)
+        merge = self.impl.merge
+        if full_precision and len(full_precision) == len(lengths):
+            # No member carries a configuration: re-batch through the running
+            # batch's class, as mlx-vlm's qwen3_5 does after running rows alone.
+            if self.target is None:
+                raise ValueError("merge of only full-precision members needs a batch to re-batch")
+            merge = type(self.target).merge
+        target = merge(singles)
         return target, members
 
     def _merge_oracles(self, op, ctx):
@@ -448,8 +461,12 @@ class World:
         other = self.spawn()
         for inner in op["other"]:
             other.apply(inner)
-        if op.get("as_dense"):  # bad input: a foreign cache type
-            self.target.extend(other.dense.cache)
+        if op.get("foreign"):  # bad input: a rotating window is not a request's history
+            self.target.extend(BatchRotatingKVCache(8, [0] * len(other.model.offsets)))
+        elif op.get("as_dense"):  # the other batch in full precision: quantized on the way in
+            if other.dense.right_padding is not None:
+                raise ValueError("extend as_dense: finalize the other batch first")
+            self.target.extend(other.dense.copy())
         else:
             self.target.extend(other.target)
         return other

@@ -142,6 +142,15 @@ class DenseOracle:
         if mine is not None or theirs is not None:  # defect 3
             self.cache._right_padding = mx.array((mine or [0] * B1) + (theirs or [0] * B2))
 
+    def copy(self) -> BatchKVCache:
+        """A ``BatchKVCache`` holding copies of this one's arrays (handed to a target)."""
+        c, twin = self.cache, BatchKVCache(self.left_padding)
+        if c.keys is not None:
+            twin.keys, twin.values = mx.array(c.keys), mx.array(c.values)
+        twin.offset, twin.left_padding = mx.array(c.offset), mx.array(c.left_padding)
+        twin._idx = c._idx
+        return twin
+
     def extract(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Full-precision (H, T, D) keys and values of ``BatchKVCache.extract(b)``."""
         single = self.cache.extract(b)

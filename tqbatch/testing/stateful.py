@@ -173,7 +173,10 @@ class BatchCacheMachine(RuleBasedStateMachine):
     def extend(self, data):
         room = tqs.MAX_ROWS - self.model.batch_size
         other = data.draw(tqs.other_batch_ops(self.caps, max_rows=min(2, room)), label="other")
-        self._run({"op": "extend", "other": other})
+        op = {"op": "extend", "other": other}
+        if data.draw(st.integers(0, 3), label="full precision") == 0:
+            op["as_dense"] = True  # joiners handed over in mlx-lm's BatchKVCache
+        self._run(op)
 
     @precondition(lambda self: self._has("extract"))
     @rule(data=st.data())
@@ -209,7 +212,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def restart_with_merge(self, data):
         """A new batch from singles (the old one is finished)."""
-        self._run(data.draw(tqs.merge_op(), label="merge"))
+        self._run(data.draw(tqs.merge_op(rebatch=True), label="merge"))
 
     # -------------------------------------------------------------- bad input
 

@@ -48,10 +48,21 @@ def configs():
 
 
 @st.composite
-def merge_op(draw, max_rows: int = MAX_ROWS):
-    """Merge of single requests, empty members (length 0) included."""
+def merge_op(draw, max_rows: int = MAX_ROWS, rebatch: bool = False):
+    """Merge of single requests, empty members (length 0) included.
+
+    Some members may be full-precision ``KVCache``s; all of them only when
+    ``rebatch`` (a batch is running, whose class supplies the configuration).
+    """
     lengths = draw(st.lists(st.integers(0, MAX_PROMPT), min_size=1, max_size=max_rows))
-    return {"op": "merge", "lengths": lengths, "kv_seed": draw(seeds)}
+    op = {"op": "merge", "lengths": lengths, "kv_seed": draw(seeds)}
+    n = len(lengths)
+    full = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n), label="full precision")
+    if len(full) == n and not rebatch:
+        full = full[:-1]
+    if full:
+        op["full_precision"] = sorted(full)
+    return op
 
 
 @st.composite
@@ -185,7 +196,7 @@ def bad_input_op(draw, batch_size: int, written: int, capabilities: dict, world_
         choices += [
             ({"op": "extend", "other": other}, "ValueError"),
             (
-                {"op": "extend", "other": [{"op": "new", "left_padding": [0]}], "as_dense": True},
+                {"op": "extend", "other": [{"op": "new", "left_padding": [0]}], "foreign": True},
                 "TypeError",
             ),
         ]
