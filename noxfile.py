@@ -126,6 +126,22 @@ def perf(session: nox.Session) -> None:
 
 
 @nox.session
+def models(session: nox.Session) -> None:
+    """The model-family matrix with mlx-vlm's class too: the README's table, as markdown."""
+    _install_test(session)
+    session.run(
+        "tqbatch",
+        "models",
+        "--compare",
+        "BatchKVCache",
+        "mlx-vlm",
+        "--markdown",
+        *session.posargs,
+        env=_backend_env(),
+    )
+
+
+@nox.session
 def mutants(session: nox.Session) -> None:
     """Suite strength: the state machine must find every planted bug (its own settings)."""
     _install_test(session)

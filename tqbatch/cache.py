@@ -373,6 +373,56 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             N, offset=self._end, left_padding=self.left_padding, window_size=window_size
         )
 
+    def _attention_mask(self, queries: mx.array, keys_state, mask):
+        """The mask to attend with: ``mask``, completed where model code left it short.
+
+        * None at decode while rows hold left padding: every written slot,
+          padding included, would be attended. mlx-vlm's qwen3_5 passes None
+          there and expects a path that skips caches with ``bits`` to handle
+          the padding. The cache uses the mask ``make_mask(1)`` makes.
+        * A boolean mask narrower than the keys that is exactly the first
+          columns of the cache's own mask: cut short by model code that sizes
+          it as ``max(offset) + 1 + L`` (mlx-vlm's qwen3_5, which reads ``_idx``
+          instead where a cache has one), wrong once every row is padded. It
+          cannot be applied as it is; the cache's own mask is those columns
+          and the ones that were cut.
+        """
+        n = queries.shape[-2]
+        if self.keys is None:
+            return mask
+        length = _packed.length(_unwrap(keys_state)) if keys_state is not None else self._end
+        padded = bool((self.left_padding > 0).any())
+        if mask is None:
+            if n != 1 or not padded:
+                return mask
+            return create_causal_mask(1, offset=length - 1, left_padding=self.left_padding)
+        if isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.shape[-1] < length:
+            own = create_causal_mask(n, offset=length - n, left_padding=self.left_padding)
+            cut = own[..., : mask.shape[-1]]
+            if mask.shape == cut.shape and bool(mx.array_equal(mask, cut)):
+                return own
+        return mask
+
+    def decode_attention(self, queries, keys_state=None, values_state=None, scale=1.0, mask=None):
+        mask = self._attention_mask(queries, keys_state, mask)
+        return super().decode_attention(queries, keys_state, values_state, scale, mask)
+
+    def prefill_attention(self, queries, keys_state=None, values_state=None, scale=1.0, mask=None):
+        mask = self._attention_mask(queries, keys_state, mask)
+        out = super().prefill_attention(queries, keys_state, values_state, scale, mask)
+        if out is not None:
+            return out
+        # mlx-vlm's own fallback (mlx_vlm.models.base.scaled_dot_product_attention
+        # without sinks), here so that it attends with the completed mask.
+        keys, values = self.dequantize(keys_state, values_state)
+        return mx.fast.scaled_dot_product_attention(
+            queries,
+            keys.astype(queries.dtype),
+            values.astype(queries.dtype),
+            scale=scale,
+            mask=mask,
+        )
+
     # ------------------------------------------------------------------ prefill
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):

@@ -429,3 +429,60 @@ def test_attention_for_each_head_dim(dim, rng):
     assert_attention_matches(ls.attend(rng, 2, q_heads=4))
     assert_attention_matches(ls.attend(rng, 1))
     ls.check()
+
+
+# ---------------------------------------------------------------- attention without a mask
+
+
+def test_decode_attention_without_a_mask_never_attends_padding(rng):
+    """Model code may hand the attention mask=None at decode (mlx-vlm's qwen3_5 does,
+    for caches with ``bits``): the batch then masks its own padding, as make_mask would."""
+    import mlx_vlm.models.base as vlm_base
+
+    ls = Lockstep.merge([5, 2], rng)  # row 1 holds 3 padding slots
+    tq, queries = ls.tq, 1
+    mask = tq.make_mask(queries)
+    q = normal(rng, (2, 4, queries, 64))
+    ks, vs = tq.update_and_fetch(normal(rng, (2, 2, queries, 64)), normal(rng, (2, 2, queries, 64)))
+    got = vlm_base.scaled_dot_product_attention(q, ks, vs, cache=tq, scale=0.125, mask=None)
+    want = vlm_base.scaled_dot_product_attention(q, ks, vs, cache=tq, scale=0.125, mask=mask)
+    assert mx.array_equal(got, want)
+    # and the guard is what makes them equal: attending every slot differs
+    keys, values = tq.dequantize()
+    unmasked = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=None)
+    assert not mx.allclose(unmasked[1], want[1], atol=1e-3)
+
+
+def test_a_mask_cut_short_by_model_code_is_completed(rng):
+    """mlx-vlm's qwen3_5 cuts the mask to max(offset) + 1 + L columns, one or more short
+    once every row is padded; the cache completes it from its own geometry."""
+    import mlx_vlm.models.base as vlm_base
+
+    ls = Lockstep.merge([5, 3], rng)
+    tq = ls.tq
+    tq.prepare(right_padding=[2, 0])  # a ragged commit: every row padded afterwards
+    tq.finalize()
+    assert min(tq.left_padding.tolist()) == 2
+    n = 2
+    full = tq.make_mask(n)
+    cut = full[..., : int(max(tq.offset.tolist())) + 1 + n]
+    assert cut.shape[-1] < full.shape[-1]
+    q = normal(rng, (2, 4, n, 64))
+    ks, vs = tq.update_and_fetch(normal(rng, (2, 2, n, 64)), normal(rng, (2, 2, n, 64)))
+    got = vlm_base.scaled_dot_product_attention(q, ks, vs, cache=tq, scale=0.125, mask=cut)
+    want = vlm_base.scaled_dot_product_attention(q, ks, vs, cache=tq, scale=0.125, mask=full)
+    assert mx.array_equal(got, want)
+
+
+def test_a_narrower_mask_that_is_not_the_caches_own_is_left_as_it_is(rng):
+    """Only an exact prefix of the cache's own mask is completed: any other narrow mask
+    reaches mlx-vlm's attention as given (which refuses it)."""
+    import mlx_vlm.models.base as vlm_base
+
+    tq = Lockstep.merge([5, 3], rng).tq
+    n = 2
+    other = mx.ones((2, 1, n, tq.size()), dtype=mx.bool_)  # narrower, and attends padding
+    q = normal(rng, (2, 4, n, 64))
+    ks, vs = tq.update_and_fetch(normal(rng, (2, 2, n, 64)), normal(rng, (2, 2, n, 64)))
+    with pytest.raises(ValueError):
+        mx.eval(vlm_base.scaled_dot_product_attention(q, ks, vs, cache=tq, scale=0.125, mask=other))

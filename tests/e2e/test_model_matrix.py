@@ -1,0 +1,104 @@
+"""The model-family matrix: the cache under test inside nine mlx-vlm families' own code.
+
+Each (family, scenario) cell runs with the cache under test (``--impl``) and
+with mlx-lm's ``BatchKVCache``; the drop-in requirement is that the target
+passes wherever ``BatchKVCache`` does. For tqbatch's own cache the README's
+matrix must also say what the run finds, for both columns.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tqbatch.commands.models import BASELINE
+from tqbatch.testing import families, matrix
+from tqbatch.testing.mutants import MUTANTS
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+CELLS = [(f, s) for f in families.FAMILIES for s in matrix.SCENARIOS]
+
+
+def _readme_matrix() -> dict[tuple[str, str], dict[str, str]]:
+    """The README's model matrix: (family, scenario) -> {column: status word}."""
+    text = README.read_text()
+    block = text[text.index("<!-- models:start -->") : text.index("<!-- models:end -->")]
+    lines = [line for line in block.splitlines() if line.startswith("|")]
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    table = {}
+    for line in lines[2:]:
+        values = [v.strip() for v in line.strip("|").split("|")]
+        statuses = {
+            h: re.match(r"(PASS|FAIL|ERROR|N/A)", v).group(1) for h, v in zip(header, values)
+        }
+        table[values[0], values[1]] = statuses
+    return table
+
+
+@pytest.fixture(scope="module")
+def target(impl):
+    if impl.__module__.startswith("tqbatch.cache"):
+        return matrix.target_for("tqbatch")
+    return matrix.Target(f"{impl.__module__}:{impl.__qualname__}", impl)
+
+
+@pytest.mark.parametrize(("family", "scenario"), CELLS, ids=[f"{f}-{s}" for f, s in CELLS])
+def test_cell_passes_where_batchkvcache_passes(family, scenario, target):
+    baseline = matrix.run_cell(family, scenario, matrix.target_for(BASELINE))
+    cell = matrix.run_cell(family, scenario, target)
+    if baseline.status == "PASS":
+        assert cell.status == "PASS", cell.short()
+    if target.name == "tqbatch":
+        readme = _readme_matrix()[family, scenario]
+        assert readme["tqbatch"] == cell.status, (readme, cell.short())
+        assert readme[BASELINE] == baseline.status, (readme, baseline.short())
+
+
+def test_readme_matrix_covers_every_cell():
+    assert sorted(_readme_matrix()) == sorted(CELLS)
+
+
+# ------------------------------------------------------------ the matrix can fail
+# Each purpose-built broken cache is caught in a cell, by the check that should
+# catch it (content, extract, attention, or qwen3_5's re-merge).
+
+
+@pytest.mark.parametrize(
+    ("mutant", "family", "scenario", "pattern"),
+    [
+        ("ExtractDropsLastToken", "qwen2", "continuous", r"extract of A: keys"),
+        ("ExtendAlignsOnCapacity", "qwen2", "continuous", r"extend: keys"),
+        ("HandWrittenMaskHidesLeftPadded", "llama", "prefill_decode", r"attention output"),
+        ("MergeDropsFullPrecisionMembers", "qwen3_5", "prefill_decode", r"prefill"),
+        ("FinalizeRequantizes", "qwen2", "speculative", r"commit \[2, 0, 1\]: keys"),
+    ],
+)
+def test_matrix_catches_a_broken_cache(mutant, family, scenario, pattern):
+    cell = matrix.run_cell(family, scenario, matrix.Target(mutant, MUTANTS[mutant]))
+    assert cell.status == "FAIL", cell.short()
+    assert re.search(pattern, cell.detail), cell.detail
+
+
+def test_an_idx_attribute_breaks_lfm2s_rollback():
+    """Why tqbatch has no ``_idx``: lfm2's rollback takes any cache with one for a
+    dense cache and refuses packed keys, even when every row accepts alike."""
+    cell = matrix.run_cell(
+        "lfm2", "uniform_rollback", matrix.Target("idx", MUTANTS["HasIdxAttribute"])
+    )
+    assert cell.status == "ERROR" and "NotImplementedError" in cell.detail, cell.short()
+
+
+def test_matrix_catches_mlx_vlms_cache_attending_padding_in_qwen3_5():
+    """mlx-vlm's own class takes qwen3_5's decode path without a mask: the
+    attention check sees padding attended, which the content check cannot."""
+    cell = matrix.run_cell("qwen3_5", "prefill_decode", matrix.target_for("mlx-vlm"))
+    assert cell.status == "FAIL" and "attention output" in cell.detail, cell.short()
+
+
+def test_the_model_level_check_fails_a_wrong_model_output():
+    """Where mlx-vlm's own rotating window cache gets left-padded rows wrong in a
+    verify block, BatchKVCache's logits leave the request run alone."""
+    cell = matrix.run_cell("gpt_oss", "uniform_rollback", matrix.target_for(BASELINE))
+    assert cell.status == "FAIL" and cell.gap > matrix.MODEL_GAP_LIMIT, cell.short()

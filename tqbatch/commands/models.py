@@ -1,0 +1,158 @@
+"""``tqbatch models``: the model-family matrix (tqbatch.testing.matrix) for a target cache.
+
+Prints one row per family and scenario and one column per target: PASS, FAIL
+with the failed check or the logit gap, ERROR with the exception, N/A with
+why. The exit code is the drop-in verdict: 1 if the target fails or raises in
+a cell where mlx-lm's ``BatchKVCache`` passes, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tqbatch.commands import add_impl_argument
+
+EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
+BASELINE = "BatchKVCache"
+
+
+def register(subparsers) -> None:
+    from tqbatch.testing import families, matrix
+
+    parser = subparsers.add_parser(
+        "models",
+        help="the cache as a drop-in inside mlx-vlm model families, against BatchKVCache",
+        description=__doc__.split("\n\n")[1],
+    )
+    add_impl_argument(parser, "batch cache under test")
+    parser.add_argument(
+        "--families",
+        nargs="+",
+        choices=families.FAMILIES,
+        default=list(families.FAMILIES),
+        metavar="FAMILY",
+        help=f"families to run (default: all of {', '.join(families.FAMILIES)})",
+    )
+    parser.add_argument(
+        "--scenarios",
+        nargs="+",
+        choices=matrix.SCENARIOS,
+        default=list(matrix.SCENARIOS),
+        metavar="SCENARIO",
+        help=f"scenarios to run (default: all of {', '.join(matrix.SCENARIOS)})",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs="*",
+        default=[BASELINE],
+        metavar="TARGET",
+        help="further columns: BatchKVCache (full precision, the default), mlx-vlm "
+        "(its BatchTurboQuantKVCache) or MODULE:CLASS",
+    )
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the matrix as a markdown table"
+    )
+    parser.set_defaults(func=run)
+
+
+def _targets(args):
+    from tqbatch.testing import matrix
+    from tqbatch.testing.impl import load_impl
+
+    impl = load_impl(args.impl)
+    if args.impl is None and impl.__module__.startswith("tqbatch.cache"):
+        main = matrix.target_for("tqbatch")
+    else:
+        main = matrix.Target(f"{impl.__module__}:{impl.__qualname__}", impl)
+    names = [BASELINE] if BASELINE not in args.compare else []
+    return [main] + [matrix.target_for(n) for n in args.compare + names]
+
+
+def markdown(cells, targets) -> str:
+    """The matrix as a markdown table: family, scenario, one column per target."""
+    by_key = {(c.family, c.scenario, c.target): c for c in cells}
+    rows = sorted({(c.family, c.scenario) for c in cells}, key=lambda k: _order(cells, k))
+    lines = [
+        "| family | scenario | " + " | ".join(t.name for t in targets) + " |",
+        "|---|---|" + "---|" * len(targets),
+    ]
+    for family, scenario in rows:
+        briefs = [by_key[family, scenario, t.name].brief() for t in targets]
+        lines.append(
+            f"| {family} | {scenario} | " + " | ".join(b.replace("|", "/") for b in briefs) + " |"
+        )
+    return "\n".join(lines)
+
+
+def _order(cells, key):
+    keys = [(c.family, c.scenario) for c in cells]
+    return keys.index(key)
+
+
+def regressions(cells, target_name: str) -> list:
+    """Cells where ``target_name`` fails or raises and the baseline passes."""
+    by_key = {(c.family, c.scenario, c.target): c for c in cells}
+    return [
+        c
+        for c in cells
+        if c.target == target_name
+        and c.status in ("FAIL", "ERROR")
+        and by_key.get((c.family, c.scenario, BASELINE)) is not None
+        and by_key[c.family, c.scenario, BASELINE].status == "PASS"
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.table import Table
+
+    from tqbatch.testing import matrix
+    from tqbatch.testing.backend import describe_line
+    from tqbatch.testing.impl import ImplSpecError
+
+    console = Console(stderr=True)
+    try:
+        targets = _targets(args)
+    except ImplSpecError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return EXIT_USAGE
+    total = len(args.families) * len(args.scenarios) * len(targets)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("model matrix", total=total)
+
+        def advance(cell):
+            progress.update(task, advance=1, description=f"{cell.family} {cell.scenario}")
+
+        cells = matrix.run_matrix(targets, args.families, args.scenarios, progress=advance)
+
+    if args.markdown:
+        print(markdown(cells, targets))
+    else:
+        table = Table(title=f"model-family matrix ({describe_line(args.backend)})")
+        table.add_column("family")
+        table.add_column("scenario")
+        for target in targets:
+            table.add_column(target.name, overflow="fold")
+        by_key = {(c.family, c.scenario, c.target): c for c in cells}
+        for family in args.families:
+            for scenario in args.scenarios:
+                cells_here = [by_key[family, scenario, t.name] for t in targets]
+                table.add_row(family, scenario, *(c.brief(40) for c in cells_here))
+        Console().print(table)
+        for cell in cells:
+            if cell.status in ("FAIL", "ERROR"):
+                print(f"{cell.target} / {cell.family} / {cell.scenario}: {cell.short()}")
+
+    failed = regressions(cells, targets[0].name)
+    for cell in failed:
+        console.print(
+            f"[red]{cell.target} {cell.status}[/red] in {cell.family} / {cell.scenario}, "
+            f"where {BASELINE} passes: {cell.detail}"
+        )
+    return EXIT_REGRESSION if failed else EXIT_OK

@@ -1,0 +1,771 @@
+"""The model-family matrix: a batch cache as a drop-in inside mlx-vlm's own model code.
+
+Each cell runs one scenario on one tiny random-weight model of one family
+(``tqbatch.testing.families``) with one *target* batch cache class. Layers get
+their caches by mlx-vlm's own rule (``mlx_vlm.generate.ar._make_cache`` with
+TurboQuant on: the layers it would quantize hold the target; rotating,
+linear-attention and last layers keep mlx-vlm's caches), and the scenario
+drives the model the way a continuous-batching server does:
+
+* ``prefill_decode``: three left-padded prompts, batched prefill, decode.
+* ``continuous``: a request joins by ``extend``, one finishes (``extract`` then
+  ``filter``) and decodes alone on its extracted caches, the rest go on.
+* ``speculative``: verify blocks through mlx-vlm's speculative helpers
+  (the model's own ``rollback_speculative_cache`` where it has one, else the
+  cache transaction), each row accepting a different number of drafts.
+* ``speculative_capture``: ragged verify blocks that also capture a layer's
+  hidden states, as DFlash and EAGLE verify (``capture_layer_ids``).
+* ``uniform_rollback``: the same with every row accepting the same number:
+  a plain ``trim`` of every append-only cache.
+
+Every request is teacher-forced with the tokens it gets run alone (single
+caches of the same kinds), and two verdicts are taken:
+
+* **the cache oracle** isolates the cache from forward noise: the K/V each
+  target cache object is handed are recorded (``KVLedger``, which also sees
+  rows qwen3_5 runs alone and re-merges), each row's real columns are fed to
+  a single-request reference (a ``TurboQuantKVCache`` of the same bits and
+  seed, or the plain tokens for a full-precision target), and after every
+  step each row of every target layer must hold exactly its reference's
+  tokens, to the rounding bound of ``tolerances.content_tolerance``; so must
+  every extracted cache.
+* **the model-level comparison** with the request alone: the largest logit
+  gap over every compared position. It includes forward noise (a batched
+  forward is not bit-equal to B = 1, and at a codebook boundary that flips a
+  code), so it fails a cell only beyond ``MODEL_GAP_LIMIT``, a gross error.
+
+Every cell is run for ``BatchKVCache`` too (full precision, mlx-vlm's rule
+with quantization off): where that fails or raises, the limitation is mlx-vlm's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx_vlm.models.base as vlm_base
+import numpy as np
+from mlx_lm.models import cache as lm_cache
+from mlx_vlm.generate.ar import _extend_cache
+from mlx_vlm.models import cache as vlm_cache
+from mlx_vlm.speculative.cache_state import commit_speculative_round
+from mlx_vlm.speculative.common import verify_forward
+from mlx_vlm.turboquant import DEFAULT_TURBOQUANT_SEED, TurboQuantKVCache
+from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatchTurboQuantKVCache
+
+from tqbatch.testing import families
+from tqbatch.testing.kv_ledger import AttentionLog, KVLedger
+from tqbatch.testing.model import causal_mask
+from tqbatch.testing.reference import to_numpy
+from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, excess_ratios
+
+__all__ = [
+    "BITS",
+    "MODEL_GAP_LIMIT",
+    "SCENARIOS",
+    "Cell",
+    "Target",
+    "run_cell",
+    "run_matrix",
+    "target_for",
+]
+
+BITS = 4.0
+SEED = DEFAULT_TURBOQUANT_SEED
+SCENARIOS = (
+    "prefill_decode",
+    "continuous",
+    "speculative",
+    "speculative_capture",
+    "uniform_rollback",
+)
+# Set after measuring (see the module docstring of tests/e2e/test_model_matrix.py).
+MODEL_GAP_LIMIT = 0.5
+
+_FULL_PRECISION_BATCHES = (lm_cache.BatchKVCache, vlm_cache.BatchKVCache)
+_WATCHED = (
+    TurboQuantKVCache,
+    lm_cache.KVCache,
+    vlm_cache.KVCache,
+    lm_cache.BatchKVCache,
+    vlm_cache.BatchKVCache,
+)
+
+
+# ---------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class Target:
+    """A batch cache class to put where mlx-vlm would put its BatchTurboQuantKVCache.
+
+    ``cls`` None means full precision: mlx-vlm's rule with quantization off,
+    every layer on ``BatchKVCache``.
+    """
+
+    name: str
+    cls: type | None
+
+    @property
+    def quantized(self) -> bool:
+        return self.cls is not None
+
+    def batch_caches(self, model, left_padding: Sequence[int]) -> list:
+        if self.cls is None:
+            return families.make_batch_cache(model, list(left_padding), kv_bits=None)
+        caches = families.make_batch_cache(model, list(left_padding), kv_bits=BITS)
+        return [
+            self.cls(list(left_padding), bits=BITS, seed=SEED)
+            if isinstance(c, VlmBatchTurboQuantKVCache)
+            else c
+            for c in caches
+        ]
+
+    def alone_caches(self, model, layers: Sequence[int]) -> list:
+        """Single-request caches: mlx-vlm's, TurboQuant on ``layers`` for a quantized target."""
+        caches = families.make_single_cache(model)
+        if self.quantized:
+            for i in layers:
+                caches[i] = TurboQuantKVCache(bits=BITS, seed=SEED)
+        return caches
+
+
+def target_for(spec: str) -> Target:
+    """``tqbatch``, ``BatchKVCache``, ``mlx-vlm`` or an import path ``module:Class``."""
+    if spec == "BatchKVCache":
+        return Target("BatchKVCache", None)
+    if spec == "mlx-vlm":
+        return Target("mlx-vlm BatchTurboQuantKVCache", VlmBatchTurboQuantKVCache)
+    from tqbatch.testing.impl import load_impl
+
+    if spec == "tqbatch":
+        from tqbatch import BatchTurboQuantKVCache
+
+        return Target("tqbatch", BatchTurboQuantKVCache)
+    return Target(spec, load_impl(spec))
+
+
+# ---------------------------------------------------------------- requests
+
+
+@dataclass
+class _Request:
+    """A prompt, the tokens and logits it gets run alone, and how far the batch has fed it."""
+
+    uid: str
+    prompt: list[int]
+    teacher: list[int]  # teacher[j] is the j-th generated token alone
+    alone: list[np.ndarray]  # alone[j]: the (vocab,) logits that produced teacher[j]
+    fed: int = 0  # generated tokens fed to the batch so far (teacher[:fed])
+    gaps: list[float] = field(default_factory=list)
+
+    def compare(self, position: int, logits: mx.array):
+        """Logits the batch produced for ``teacher[position]``."""
+        if position < len(self.alone):
+            self.gaps.append(float(np.abs(to_numpy(logits) - self.alone[position]).max()))
+
+
+def _logits(model, tokens: Sequence[Sequence[int]], caches) -> mx.array:
+    logits = families.forward(model, mx.array(tokens, dtype=mx.int32), caches)
+    mx.eval(logits)
+    return logits
+
+
+def _alone_run(model, family: str, target: Target, layers, uid, prompt, steps) -> _Request:
+    caches = target.alone_caches(model, layers)
+    if target.quantized and families.SPECS[family].prefills_rows_in_full_precision:
+        caches = Target("full precision", None).alone_caches(model, layers)
+        logits = _logits(model, [prompt], caches)[0, -1]
+        for i in layers:  # quantize the prompt's tokens after the prefill
+            kv, n = caches[i], int(caches[i].offset)
+            caches[i] = TurboQuantKVCache(bits=BITS, seed=SEED)
+            caches[i].update_and_fetch(kv.keys[..., :n, :], kv.values[..., :n, :])
+    else:
+        logits = _logits(model, [prompt], caches)[0, -1]
+    teacher, alone = [], []
+    for _ in range(steps):
+        token = int(mx.argmax(logits).item())
+        teacher.append(token)
+        alone.append(to_numpy(logits))
+        logits = _logits(model, [[token]], caches)[0, -1]
+    return _Request(uid, list(prompt), teacher, alone)
+
+
+# ---------------------------------------------------------------- the oracle
+
+
+class CacheCheck(Exception):
+    """A target cache failed the oracle."""
+
+
+def _read_rows(cache) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(B, H, T, D) float32 keys and values of the written slots, and the left padding."""
+    if isinstance(cache, _FULL_PRECISION_BATCHES):
+        end = int(cache._idx)
+        keys, values = cache.keys[..., :end, :], cache.values[..., :end, :]
+    else:
+        keys, values = cache.dequantize()
+    padding = [int(p) for p in np.array(cache.left_padding).reshape(-1).tolist()]
+    return to_numpy(keys.astype(mx.float32)), to_numpy(values.astype(mx.float32)), padding
+
+
+def _read_single(cache) -> tuple[np.ndarray, np.ndarray]:
+    """(H, T, D) float32 keys and values of a single-request cache."""
+    if cache.keys is None or int(cache.offset) == 0:
+        return None
+    if isinstance(cache, TurboQuantKVCache):
+        keys, values = cache.dequantize()
+    else:
+        n = int(cache.offset)
+        keys, values = cache.keys[..., :n, :], cache.values[..., :n, :]
+    return to_numpy(keys.astype(mx.float32))[0], to_numpy(values.astype(mx.float32))[0]
+
+
+class Oracle:
+    """Per request and target layer, the K/V the batch handed it; checks of the target rows."""
+
+    def __init__(self, target: Target, layers: Sequence[int]):
+        self.target = target
+        self.layers = tuple(layers)
+        self.tokens: dict[tuple[str, int], list[tuple[np.ndarray, np.ndarray]]] = {}
+        self.checks = 0
+        self.worst = 0.0
+
+    # -------- feeding
+
+    def feed(self, uid: str, layer: int, keys: np.ndarray, values: np.ndarray):
+        """Append (H, n, D) keys and values to request ``uid``'s reference at ``layer``."""
+        if keys.shape[1]:
+            self.tokens.setdefault((uid, layer), []).append((keys, values))
+
+    def drop_last(self, uid: str, n: int):
+        """Forget request ``uid``'s last ``n`` tokens at every layer (a rolled-back tail)."""
+        if n <= 0:
+            return
+        for layer in self.layers:
+            keys, values = self._concat(uid, layer)
+            self.tokens[uid, layer] = [
+                (keys[:, : keys.shape[1] - n], values[:, : values.shape[1] - n])
+            ]
+
+    def _concat(self, uid, layer):
+        parts = self.tokens.get((uid, layer), [])
+        if not parts:
+            return None
+        return tuple(np.concatenate([p[i] for p in parts], axis=1) for i in range(2))
+
+    def want(self, uid: str, layer: int, quantized: bool | None = None):
+        """The reference's (H, T, D) keys and values: the tokens, quantized if the target is."""
+        tokens = self._concat(uid, layer)
+        quantized = self.target.quantized if quantized is None else quantized
+        if tokens is None or not quantized:
+            return tokens
+        keys, values = self._reference(tokens).dequantize()
+        return to_numpy(keys)[0], to_numpy(values)[0]
+
+    @staticmethod
+    def _reference(tokens) -> TurboQuantKVCache:
+        ref = TurboQuantKVCache(bits=BITS, seed=SEED)
+        ref.update_and_fetch(mx.array(tokens[0][None]), mx.array(tokens[1][None]))
+        return ref
+
+    def check_attention(self, uid, layer, queries, got, call, quantized: bool, where: str):
+        """A row's attention output on its real query columns, against mlx-vlm's attention
+        over the request's reference with a causal mask (the same scale and sinks).
+
+        ``quantized`` says which reference the cache object that served the call
+        must match: a TurboQuant one, or the plain tokens (qwen3_5 prefills rows
+        of an empty batch in full-precision KVCaches).
+        """
+        tokens = self._concat(uid, layer)
+        n = queries.shape[2]
+        length = tokens[0].shape[1]
+        mask = causal_mask(n, length - n, [0])
+        if quantized:
+            ref = self._reference(tokens)
+            keys, values = ref.state
+            ref_keys, ref_values = (to_numpy(a)[0] for a in ref.dequantize())
+        else:
+            ref, keys, values = None, mx.array(tokens[0][None]), mx.array(tokens[1][None])
+            ref_keys, ref_values = tokens
+        want = vlm_base.scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            cache=ref,
+            scale=call.scale,
+            mask=mx.array(mask),
+            sinks=call.sinks,
+        )
+        q = to_numpy(queries.astype(mx.float32))[0]
+        # The bound has no sink term: a sink only adds to the softmax denominator,
+        # shrinking every weight, so the bound without it stays an upper bound.
+        tol = attention_tolerance(q, ref_keys, ref_values, mask[0, 0], call.scale)
+        mine, theirs = to_numpy(got.astype(mx.float32)), to_numpy(want.astype(mx.float32))[0]
+        ratios = excess_ratios(mine, theirs, tol)
+        ratio = float(ratios.max()) if ratios.size else 0.0
+        self.checks += 1
+        self.worst = max(self.worst, ratio)
+        if not ratio <= 1.0:
+            raise CacheCheck(
+                f"{where}: attention output differs from the request's by {ratio:.3g}x the "
+                "tolerance"
+            )
+
+    # -------- checks
+
+    def check_batch(self, uids: Sequence[str], caches: list, where: str):
+        for layer in self.layers:
+            try:
+                keys, values, padding = _read_rows(caches[layer])
+            except Exception as exc:
+                raise CacheCheck(
+                    f"layer {layer}, {where}: reading the batch raised {exc!r}"
+                ) from exc
+            if keys.shape[0] != len(uids) or len(padding) != len(uids):
+                raise CacheCheck(
+                    f"layer {layer}, {where}: {keys.shape[0]} rows and {len(padding)} left "
+                    f"paddings for {len(uids)} requests"
+                )
+            for row, uid in enumerate(uids):
+                got = keys[row, :, padding[row] :], values[row, :, padding[row] :]
+                self._compare(got, uid, layer, f"layer {layer}, row {row} ({uid}), {where}")
+
+    def check_single(self, uid: str, caches: list, where: str):
+        for layer in self.layers:
+            try:
+                got = _read_single(caches[layer])
+            except Exception as exc:
+                raise CacheCheck(f"layer {layer}, {where}: reading it raised {exc!r}") from exc
+            self._compare(got, uid, layer, f"layer {layer}, {where}")
+
+    def _compare(self, got, uid, layer, where):
+        want = self.want(uid, layer)
+        if want is None or got is None:
+            n_got = 0 if got is None else got[0].shape[1]
+            n_want = 0 if want is None else want[0].shape[1]
+            if n_got != n_want:
+                raise CacheCheck(f"{where}: holds {n_got} tokens, the request has {n_want}")
+            return
+        for name, mine, theirs in zip(("keys", "values"), got, want):
+            if mine.shape != theirs.shape:
+                raise CacheCheck(
+                    f"{where}: {name} (H, T, D) {mine.shape}, the request's {theirs.shape}"
+                )
+            ratios = excess_ratios(mine, theirs, content_tolerance(theirs))
+            ratio = float(ratios.max()) if ratios.size else 0.0
+            self.checks += 1
+            self.worst = max(self.worst, ratio)
+            if not ratio <= 1.0:
+                raise CacheCheck(
+                    f"{where}: {name} differ from the request's by {ratio:.3g}x the tolerance"
+                )
+
+
+# ---------------------------------------------------------------- the server
+
+
+@dataclass
+class _Batch:
+    rows: list[_Request]
+    caches: list
+
+
+class _Server:
+    """Drives one model like a continuous-batching server, under the oracle."""
+
+    def __init__(self, model, family: str, target: Target, layers, oracle: Oracle):
+        self.model, self.target, self.layers = model, target, tuple(layers)
+        self.oracle = oracle
+        self.modules = _attention_modules(family)
+        batch_classes = _FULL_PRECISION_BATCHES + ((target.cls,) if target.cls else ())
+        self.ledger = KVLedger(_WATCHED + batch_classes[2:], batch_classes)
+        self.forwards = 0
+
+    # -------- one forward, and what it wrote
+
+    def _forward(self, batch: _Batch, tokens, real: Sequence[range], kind: str, run=None):
+        self.forwards += 1
+        where = f"forward {self.forwards} ({kind})"
+        before = list(batch.caches)
+        self.ledger.clear()
+        with self.ledger, AttentionLog(self.modules) as attention:
+            result = (run or (lambda: _logits(self.model, tokens, batch.caches)))()
+        for layer in self.layers:
+            served = self._attribute(batch, before[layer], layer, real, where)
+            self._check_attention(batch, served, attention, layer, real, where)
+        return result
+
+    def _check_attention(self, batch, served, attention, layer, real, where):
+        """Each cache object that took K/V served one attention call; check its rows."""
+        for cache, rows, quantized in served:
+            calls = attention.calls_on(cache)
+            if not calls and not quantized:
+                continue  # full precision may take a path that passes cache=None
+            # Some verifiers attend one query column per call (qwen3_5's, for
+            # blocks longer than 2): in order, the calls make up the block.
+            width = max(cols.stop for _, cols in rows)
+            if not calls or sum(c.queries.shape[2] for c in calls) != width:
+                raise CacheCheck(
+                    f"layer {layer}, {where}: attention on this cache covered "
+                    f"{[c.queries.shape[2] for c in calls]} query columns, not {width}"
+                )
+            call = calls[0]
+            if len(calls) > 1:
+                call = dataclasses.replace(
+                    call,
+                    queries=mx.concatenate([c.queries for c in calls], axis=2),
+                    output=mx.concatenate([c.output for c in calls], axis=2),
+                )
+            for index, (row, cols) in enumerate(rows):
+                if not len(cols):
+                    continue
+                q = call.queries[index : index + 1, :, cols.start : cols.stop]
+                got = call.output[index, :, cols.start : cols.stop]
+                uid = batch.rows[row].uid
+                self.oracle.check_attention(
+                    uid,
+                    layer,
+                    q,
+                    got,
+                    call,
+                    quantized,
+                    f"layer {layer}, row {row} ({uid}), {where}",
+                )
+
+    def _attribute(self, batch: _Batch, before, layer: int, real, where: str):
+        after = batch.caches[layer]
+        B = len(batch.rows)
+        if after is before:
+            writes = self.ledger.writes_to(after)
+            if len(writes) != 1:
+                raise CacheCheck(
+                    f"layer {layer}, {where}: the batch cache was handed K/V {len(writes)} "
+                    "times in one forward, not once"
+                )
+            keys, values = (to_numpy(a.astype(mx.float32)) for a in writes[0])
+            for row, (req, cols) in enumerate(zip(batch.rows, real)):
+                self.oracle.feed(
+                    req.uid,
+                    layer,
+                    keys[row, :, cols.start : cols.stop],
+                    values[row, :, cols.start : cols.stop],
+                )
+            return [(after, list(enumerate(real)), self.target.quantized)]
+        # The model replaced the cache: it ran rows alone and merged them (qwen3_5).
+        record = self.ledger.merge_into(after)
+        if record is None or len(record.members) != B:
+            raise CacheCheck(
+                f"layer {layer}, {where}: the model replaced the batch cache with a "
+                f"{type(after).__name__} no merge of {B} rows produced"
+            )
+        for row, (req, member, cols) in enumerate(zip(batch.rows, record.members, real)):
+            writes = self.ledger.writes_to(member)
+            keys = [to_numpy(k.astype(mx.float32))[0] for k, _ in writes]
+            values = [to_numpy(v.astype(mx.float32))[0] for _, v in writes]
+            n = sum(k.shape[1] for k in keys)
+            if n != len(cols):
+                raise CacheCheck(
+                    f"layer {layer}, {where}: row {row} was run alone on {n} tokens, "
+                    f"it has {len(cols)} real ones"
+                )
+            if n:
+                self.oracle.feed(
+                    req.uid, layer, np.concatenate(keys, axis=1), np.concatenate(values, axis=1)
+                )
+        # Each member served its row alone: all of its query columns are real.
+        return [
+            (member, [(row, range(0, len(cols)))], isinstance(member, TurboQuantKVCache))
+            for row, (member, cols) in enumerate(zip(record.members, real))
+        ]
+
+    # -------- server operations
+
+    def prefill(self, requests: Sequence[_Request]) -> _Batch:
+        longest = max(len(r.prompt) for r in requests)
+        padding = [longest - len(r.prompt) for r in requests]
+        batch = _Batch(list(requests), self.target.batch_caches(self.model, padding))
+        tokens = [[0] * p + r.prompt for p, r in zip(padding, requests)]
+        real = [range(p, longest) for p in padding]
+        logits = self._forward(batch, tokens, real, "prefill")
+        for row, req in enumerate(requests):
+            req.compare(0, logits[row, -1])
+        self.settle(batch, "prefill")
+        return batch
+
+    def decode(self, batch: _Batch, steps: int = 1):
+        for _ in range(steps):
+            tokens = [[r.teacher[r.fed]] for r in batch.rows]
+            logits = self._forward(batch, tokens, [range(0, 1)] * len(batch.rows), "decode")
+            for row, req in enumerate(batch.rows):
+                req.fed += 1
+                req.compare(req.fed, logits[row, 0])
+            self.settle(batch, "decode")
+
+    def verify(self, batch: _Batch, accepted: Sequence[int], block: int, capture: bool = False):
+        """A verify block: row b feeds its pending token, ``accepted[b]`` right drafts, then
+        wrong ones; mlx-vlm's helpers keep ``accepted[b] + 1`` tokens of each row.
+
+        ``capture``: the target model also hands back a layer's hidden states,
+        as DFlash and EAGLE verify (``capture_layer_ids``)."""
+        tokens = []
+        for req, a in zip(batch.rows, accepted):
+            right = req.teacher[req.fed : req.fed + 1 + a]
+            wrong = [(t + 1) % 97 for t in req.teacher[req.fed + 1 + a : req.fed + block]]
+            row = right + wrong
+            tokens.append(row + [0] * (block - len(row)))
+        model = self.model
+
+        def run():
+            # As mlx-vlm's speculative decoders verify (speculative/dflash.py):
+            # a model with its own rollback verifies in one call and rolls back
+            # itself; any other in a cache transaction of mlx-vlm's helpers.
+            inputs = mx.array(tokens, dtype=mx.int32)
+            kwargs = families.call_kwargs(model, inputs, batch.caches)
+            if capture:
+                kwargs["capture_layer_ids"] = [self.layers[0]]
+            if callable(getattr(model, "rollback_speculative_cache", None)):
+                output = model(inputs, cache=batch.caches, speculative_verify=True, **kwargs)
+                return families.logits_of(output), getattr(output, "gdn_states", None)
+            output, state = verify_forward(model, inputs, batch.caches, **kwargs)
+            return families.logits_of(output), state
+
+        logits, state = self._forward(
+            batch, None, [range(0, block)] * len(batch.rows), "verify", run
+        )
+        mx.eval(logits)
+        commit_speculative_round(model, batch.caches, state, list(accepted), block)
+        for row, (req, a) in enumerate(zip(batch.rows, accepted)):
+            for j in range(a + 1):
+                req.compare(req.fed + 1 + j, logits[row, j])
+            self.oracle.drop_last(req.uid, block - (a + 1))
+            req.fed += a + 1
+        self.settle(batch, f"commit {list(accepted)}")
+
+    def join(self, batch: _Batch, requests: Sequence[_Request]) -> _Batch:
+        joined = self.prefill(requests)
+        batch.caches = _extend_cache(batch.caches, joined.caches)
+        batch.rows += joined.rows
+        self.settle(batch, "extend")
+        return batch
+
+    def finish(self, batch: _Batch, row: int) -> tuple[_Request, list]:
+        req = batch.rows[row]
+        singles = [c.extract(row) for c in batch.caches]
+        self.oracle.check_single(req.uid, singles, f"extract of {req.uid}")
+        keep = [i for i in range(len(batch.rows)) if i != row]
+        for c in batch.caches:
+            c.filter(mx.array(keep, dtype=mx.int32))
+        batch.rows = [batch.rows[i] for i in keep]
+        self.settle(batch, f"filter {keep}")
+        return req, singles
+
+    def decode_alone(self, req: _Request, caches: list, steps: int):
+        alone = _Batch([req], caches)
+        for _ in range(steps):
+            tokens = [[req.teacher[req.fed]]]
+            logits = self._forward(alone, tokens, [range(0, 1)], f"{req.uid} alone")
+            req.fed += 1
+            req.compare(req.fed, logits[0, 0])
+        self.oracle.check_single(req.uid, caches, "decoding alone after extract")
+
+    def settle(self, batch: _Batch, where: str):
+        self.oracle.check_batch([r.uid for r in batch.rows], batch.caches, where)
+
+
+def _attention_modules(family: str) -> list:
+    """The modules whose ``scaled_dot_product_attention`` the family's attention calls:
+    its language module and, where it has one, its speculative verifier."""
+    name = families.SPECS[family].module
+    modules = [importlib.import_module(name)]
+    verifier = name.rsplit(".", 1)[0] + ".speculative_verifier"
+    try:
+        modules.append(importlib.import_module(verifier))
+    except ImportError:
+        pass
+    return [m for m in modules if hasattr(m, "scaled_dot_product_attention")]
+
+
+# ---------------------------------------------------------------- scenarios
+
+PROMPTS = {"A": 9, "B": 6, "C": 3, "D": 5}
+STEPS = 12  # generated tokens known per request (teacher length)
+
+
+def _prompt(uid: str, vocab: int) -> list[int]:
+    rng = np.random.default_rng(sum(map(ord, uid)))
+    return [int(t) for t in rng.integers(1, min(vocab, 97), PROMPTS[uid])]
+
+
+def _scenario_prefill_decode(server: _Server, reqs):
+    batch = server.prefill([reqs["A"], reqs["B"], reqs["C"]])
+    server.decode(batch, 4)
+
+
+def _scenario_continuous(server: _Server, reqs):
+    batch = server.prefill([reqs["A"], reqs["C"]])
+    server.decode(batch, 2)
+    server.join(batch, [reqs["B"], reqs["D"]])
+    server.decode(batch, 2)
+    req, singles = server.finish(batch, 0)
+    server.decode_alone(req, singles, 2)
+    server.decode(batch, 2)
+
+
+def _scenario_speculative(server: _Server, reqs):
+    batch = server.prefill([reqs["A"], reqs["B"], reqs["C"]])
+    server.decode(batch, 1)
+    server.verify(batch, [2, 0, 1], block=3)
+    server.verify(batch, [0, 2, 1], block=3)
+    server.decode(batch, 1)
+
+
+def _scenario_speculative_capture(server: _Server, reqs):
+    batch = server.prefill([reqs["A"], reqs["B"], reqs["C"]])
+    server.decode(batch, 1)
+    # Blocks of 3 and of 2: qwen3_5's verifier attends them on different paths.
+    for accepted, block in (([2, 0, 1], 3), ([0, 2, 1], 3), ([1, 0, 1], 2)):
+        server.verify(batch, accepted, block=block, capture=True)
+    server.decode(batch, 1)
+
+
+def _scenario_uniform_rollback(server: _Server, reqs):
+    batch = server.prefill([reqs["A"], reqs["B"], reqs["C"]])
+    server.decode(batch, 1)
+    server.verify(batch, [1, 1, 1], block=3)
+    server.decode(batch, 1)
+
+
+_SCENARIO_RUNS = {
+    "prefill_decode": _scenario_prefill_decode,
+    "continuous": _scenario_continuous,
+    "speculative": _scenario_speculative,
+    "speculative_capture": _scenario_speculative_capture,
+    "uniform_rollback": _scenario_uniform_rollback,
+}
+
+
+# ---------------------------------------------------------------- cells
+
+
+@dataclass
+class Cell:
+    """One family x scenario x target result.
+
+    ``status``: "PASS", "FAIL" (the oracle, or a model-level gap beyond
+    ``MODEL_GAP_LIMIT``), "ERROR" (an exception from model or cache code),
+    or "N/A". ``detail`` says what failed or raised; ``gap`` is the largest
+    logit distance from the requests run alone.
+    """
+
+    family: str
+    scenario: str
+    target: str
+    status: str
+    detail: str = ""
+    gap: float | None = None
+    checks: int = 0
+    seconds: float = 0.0
+
+    def short(self) -> str:
+        """The status and what it rests on: the gap from alone, the failed check, the error."""
+        if self.status == "PASS":
+            return f"PASS (logits {self.gap:.1e} from alone)"
+        return f"{self.status}: {self.detail}"
+
+    def brief(self, width: int = 70) -> str:
+        """``short()`` cut to ``width`` characters, without the backend-dependent gap of a PASS."""
+        text = "PASS" if self.status == "PASS" else self.short()
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+
+_MODELS: dict[str, object] = {}
+
+
+def _model(family: str):
+    if family not in _MODELS:
+        _MODELS[family] = families.build(family)
+    return _MODELS[family]
+
+
+def run_cell(family: str, scenario: str, target: Target) -> Cell:
+    """Run one cell; never raises for a failure of the model or the cache."""
+    why = dict(families.SPECS[family].not_applicable).get(scenario)
+    if why is not None:
+        return Cell(family, scenario, target.name, "N/A", why)
+    start = time.perf_counter()
+    model = _model(family)
+    layers = families.quantized_layers(model)
+    oracle = Oracle(target, layers)
+    requests: dict[str, _Request] = {}
+    try:
+        for uid in PROMPTS:
+            prompt = _prompt(uid, families.vocab_size(model))
+            requests[uid] = _alone_run(model, family, target, layers, uid, prompt, STEPS)
+        server = _Server(model, family, target, layers, oracle)
+        _SCENARIO_RUNS[scenario](server, requests)
+    except CacheCheck as exc:
+        return Cell(
+            family,
+            scenario,
+            target.name,
+            "FAIL",
+            str(exc),
+            _gap(requests),
+            oracle.checks,
+            time.perf_counter() - start,
+        )
+    except Exception as exc:  # the model's or the cache's own code raised
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        detail = f"{type(exc).__name__}: {exc} ({where.filename.rsplit('/', 2)[-1]}:{where.lineno})"
+        return Cell(
+            family,
+            scenario,
+            target.name,
+            "ERROR",
+            detail,
+            _gap(requests),
+            oracle.checks,
+            time.perf_counter() - start,
+        )
+    gap = _gap(requests)
+    status, detail = "PASS", ""
+    if gap is not None and gap > MODEL_GAP_LIMIT:
+        status, detail = "FAIL", f"logits {gap:.3g} from the requests run alone"
+    return Cell(
+        family,
+        scenario,
+        target.name,
+        status,
+        detail,
+        gap,
+        oracle.checks,
+        time.perf_counter() - start,
+    )
+
+
+def _gap(requests) -> float | None:
+    gaps = [g for r in requests.values() for g in r.gaps]
+    return max(gaps) if gaps else None
+
+
+def run_matrix(
+    targets: Sequence[Target],
+    family_names: Sequence[str] = families.FAMILIES,
+    scenarios: Sequence[str] = SCENARIOS,
+    progress: Callable[[Cell], None] | None = None,
+) -> list[Cell]:
+    cells = []
+    for family in family_names:
+        for scenario in scenarios:
+            for target in targets:
+                cell = run_cell(family, scenario, target)
+                cells.append(cell)
+                if progress is not None:
+                    progress(cell)
+    return cells
