@@ -380,10 +380,11 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
           padding included, would be attended. mlx-vlm's qwen3_5 passes None
           there and expects a path that skips caches with ``bits`` to handle
           the padding. The cache uses the mask ``make_mask(1)`` makes.
-        * A boolean mask narrower than the keys that is exactly the first
-          columns of the cache's own mask: cut short by model code that sizes
-          it as ``max(offset) + 1 + L`` (mlx-vlm's qwen3_5, which reads ``_idx``
-          instead where a cache has one), wrong once every row is padded. It
+        * A boolean mask narrower than the keys, by fewer columns than every
+          row's shared padding, that is exactly the first columns of the
+          cache's own mask: cut short by model code that sizes it as
+          ``max(offset) + 1 + L`` (mlx-vlm's qwen3_5, which reads ``_idx``
+          instead where a cache has one), short once every row is padded. It
           cannot be applied as it is; the cache's own mask is those columns
           and the ones that were cut.
         """
@@ -396,7 +397,15 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             if n != 1 or not padded:
                 return mask
             return create_causal_mask(1, offset=length - 1, left_padding=self.left_padding)
-        if isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.shape[-1] < length:
+        # Sized as max(offset) + 1 + L, a mask misses min(left_padding) - 1 columns:
+        # never more than the padding every row shares. A mask short by more is
+        # not a cut one and is left for the attention to refuse.
+        shared = int(mx.min(self.left_padding).item())
+        if (
+            isinstance(mask, mx.array)
+            and mask.dtype == mx.bool_
+            and 0 < length - mask.shape[-1] < shared
+        ):
             own = create_causal_mask(n, offset=length - n, left_padding=self.left_padding)
             cut = own[..., : mask.shape[-1]]
             if mask.shape == cut.shape and bool(mx.array_equal(mask, cut)):

@@ -88,7 +88,10 @@ def test_batch_generator_merges_into_tqbatch_and_batch_kv_caches(probed):
     model, _ = probed
     caches = [make_prompt_caches(SPEC.num_layers, bits=BITS, seed=SEED) for _ in range(2)]
     merged = [caches[0][i].merge([c[i] for c in caches]) for i in range(SPEC.num_layers)]
-    assert [type(c) for c in merged] == [BatchTurboQuantKVCache] * 3 + [BatchKVCache]
+    # A batch's class is BatchTurboQuantKVCache configured for its bits and seed.
+    assert [type(c) for c in merged] == [
+        BatchTurboQuantKVCache.configured(bits=BITS, seed=SEED)
+    ] * 3 + [BatchKVCache]
 
 
 def test_extracted_caches_resume_a_conversation(probed):

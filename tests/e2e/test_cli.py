@@ -19,3 +19,20 @@ def test_e2e_command_fails_on_a_broken_cache(capsys):
     impl = "tqbatch.testing.mutants:FinalizeRequantizes"
     assert main(["e2e", "--impl", impl, "--layers", "2"]) == 1
     assert "FAILED: content: request" in capsys.readouterr().out
+
+
+def test_models_command_prints_the_matrix_and_passes_on_tqbatch(capsys):
+    args = ["models", "--families", "qwen2", "--scenarios", "prefill_decode", "speculative"]
+    assert main([*args, "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "| family | scenario | tqbatch | BatchKVCache |" in out
+    assert "| qwen2 | speculative | PASS | PASS |" in out
+
+
+def test_models_command_fails_where_batchkvcache_passes(capsys):
+    impl = "tqbatch.testing.mutants:HandWrittenMaskHidesLeftPadded"
+    args = ["models", "--impl", impl, "--families", "llama", "--scenarios", "prefill_decode"]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert "attention output differs" in captured.out
+    assert "where BatchKVCache passes" in captured.err

@@ -30,10 +30,10 @@ def _readme_matrix() -> dict[tuple[str, str], dict[str, str]]:
     table = {}
     for line in lines[2:]:
         values = [v.strip() for v in line.strip("|").split("|")]
-        statuses = {
-            h: re.match(r"(PASS|FAIL|ERROR|N/A)", v).group(1) for h, v in zip(header, values)
+        table[values[0], values[1]] = {
+            column: re.match(r"PASS|FAIL|ERROR|N/A", value).group(0)
+            for column, value in zip(header[2:], values[2:])
         }
-        table[values[0], values[1]] = statuses
     return table
 
 

@@ -29,7 +29,8 @@ def test_attention_is_mlx_vlm_sdpa_with_our_cache(model, impl, monkeypatch):
     server = ContinuousBatcher(model, bits=BITS, seed=SEED, batch_cache_class=impl, probe=False)
     server.admit_left_padded([Request("x", [1, 2, 3], 5), Request("y", [4, 5, 6, 7, 8], 5)])
     server.step()
-    per_forward = [impl] * (SPEC.num_layers - 1) + [BatchKVCache]
+    batch_class = type(impl([0], bits=BITS, seed=SEED))  # tqbatch's: configured for BITS, SEED
+    per_forward = [batch_class] * (SPEC.num_layers - 1) + [BatchKVCache]
     assert seen == per_forward * 2
 
 

@@ -28,7 +28,11 @@ caches of the same kinds), and two verdicts are taken:
   seed, or the plain tokens for a full-precision target), and after every
   step each row of every target layer must hold exactly its reference's
   tokens, to the rounding bound of ``tolerances.content_tolerance``; so must
-  every extracted cache.
+  every extracted cache. Every attention call on those layers (recorded by
+  ``AttentionLog`` with its queries, scale and sinks) must give, on each
+  row's real query columns, what mlx-vlm's attention gives over the
+  reference with a causal mask, within ``tolerances.attention_tolerance``:
+  this is what sees a mask that lets a row attend padding.
 * **the model-level comparison** with the request alone: the largest logit
   gap over every compared position. It includes forward noise (a batched
   forward is not bit-equal to B = 1, and at a codebook boundary that flips a
@@ -84,7 +88,12 @@ SCENARIOS = (
     "speculative_capture",
     "uniform_rollback",
 )
-# Set after measuring (see the module docstring of tests/e2e/test_model_matrix.py).
+# A gross-error bound on |logits - logits alone|, for what the oracle cannot see
+# (layers the target does not hold). Forward noise that flips TurboQuant codes
+# moved logits by up to 3e-1 with a correct cache (tqbatch.e2e's docstring, K/V
+# jittered at TF32 rounding); correct caches measure <= 1.2e-4 in every cell
+# here at float32. The smallest model-level error of a real defect measured
+# here: 0.705 (mlx-vlm's rotating window cache after a verify block, gpt_oss).
 MODEL_GAP_LIMIT = 0.5
 
 _FULL_PRECISION_BATCHES = (lm_cache.BatchKVCache, vlm_cache.BatchKVCache)
@@ -177,16 +186,15 @@ def _logits(model, tokens: Sequence[Sequence[int]], caches) -> mx.array:
 
 
 def _alone_run(model, family: str, target: Target, layers, uid, prompt, steps) -> _Request:
-    caches = target.alone_caches(model, layers)
-    if target.quantized and families.SPECS[family].prefills_rows_in_full_precision:
-        caches = Target("full precision", None).alone_caches(model, layers)
-        logits = _logits(model, [prompt], caches)[0, -1]
-        for i in layers:  # quantize the prompt's tokens after the prefill
+    """Request ``uid`` run alone: greedy for ``steps`` tokens, on single-request caches."""
+    late = target.quantized and families.SPECS[family].prefills_rows_in_full_precision
+    caches = (Target("full precision", None) if late else target).alone_caches(model, layers)
+    logits = _logits(model, [prompt], caches)[0, -1]
+    if late:  # quantize the prompt's tokens after the prefill, as the family's batch does
+        for i in layers:
             kv, n = caches[i], int(caches[i].offset)
             caches[i] = TurboQuantKVCache(bits=BITS, seed=SEED)
             caches[i].update_and_fetch(kv.keys[..., :n, :], kv.values[..., :n, :])
-    else:
-        logits = _logits(model, [prompt], caches)[0, -1]
     teacher, alone = [], []
     for _ in range(steps):
         token = int(mx.argmax(logits).item())
@@ -259,11 +267,10 @@ class Oracle:
             return None
         return tuple(np.concatenate([p[i] for p in parts], axis=1) for i in range(2))
 
-    def want(self, uid: str, layer: int, quantized: bool | None = None):
+    def want(self, uid: str, layer: int):
         """The reference's (H, T, D) keys and values: the tokens, quantized if the target is."""
         tokens = self._concat(uid, layer)
-        quantized = self.target.quantized if quantized is None else quantized
-        if tokens is None or not quantized:
+        if tokens is None or not self.target.quantized:
             return tokens
         keys, values = self._reference(tokens).dequantize()
         return to_numpy(keys)[0], to_numpy(values)[0]
@@ -383,8 +390,8 @@ class _Server:
         self.model, self.target, self.layers = model, target, tuple(layers)
         self.oracle = oracle
         self.modules = _attention_modules(family)
-        batch_classes = _FULL_PRECISION_BATCHES + ((target.cls,) if target.cls else ())
-        self.ledger = KVLedger(_WATCHED + batch_classes[2:], batch_classes)
+        target_class = (target.cls,) if target.cls else ()
+        self.ledger = KVLedger(_WATCHED + target_class, _FULL_PRECISION_BATCHES + target_class)
         self.forwards = 0
 
     # -------- one forward, and what it wrote
@@ -398,10 +405,10 @@ class _Server:
             result = (run or (lambda: _logits(self.model, tokens, batch.caches)))()
         for layer in self.layers:
             served = self._attribute(batch, before[layer], layer, real, where)
-            self._check_attention(batch, served, attention, layer, real, where)
+            self._check_attention(batch, served, attention, layer, where)
         return result
 
-    def _check_attention(self, batch, served, attention, layer, real, where):
+    def _check_attention(self, batch, served, attention, layer, where):
         """Each cache object that took K/V served one attention call; check its rows."""
         for cache, rows, quantized in served:
             calls = attention.calls_on(cache)
