@@ -392,24 +392,21 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         if self.keys is None:
             return mask
         length = _packed.length(_unwrap(keys_state)) if keys_state is not None else self._end
-        padded = bool((self.left_padding > 0).any())
+        # Each branch reads the padding (a device sync) only on its rare path:
+        # a decode step with a mask as wide as the keys costs nothing here.
         if mask is None:
-            if n != 1 or not padded:
+            if n != 1 or not bool((self.left_padding > 0).any()):
                 return mask
             return create_causal_mask(1, offset=length - 1, left_padding=self.left_padding)
-        # Sized as max(offset) + 1 + L, a mask misses min(left_padding) - 1 columns:
-        # never more than the padding every row shares. A mask short by more is
-        # not a cut one and is left for the attention to refuse.
-        shared = int(mx.min(self.left_padding).item())
-        if (
-            isinstance(mask, mx.array)
-            and mask.dtype == mx.bool_
-            and 0 < length - mask.shape[-1] < shared
-        ):
-            own = create_causal_mask(n, offset=length - n, left_padding=self.left_padding)
-            cut = own[..., : mask.shape[-1]]
-            if mask.shape == cut.shape and bool(mx.array_equal(mask, cut)):
-                return own
+        if isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.shape[-1] < length:
+            # Sized as max(offset) + 1 + L, a mask misses min(left_padding) - 1
+            # columns: never more than the padding every row shares. A mask short
+            # by more is not a cut one and is left for the attention to refuse.
+            if length - mask.shape[-1] < int(mx.min(self.left_padding).item()):
+                own = create_causal_mask(n, offset=length - n, left_padding=self.left_padding)
+                cut = own[..., : mask.shape[-1]]
+                if mask.shape == cut.shape and bool(mx.array_equal(mask, cut)):
+                    return own
         return mask
 
     def decode_attention(self, queries, keys_state=None, values_state=None, scale=1.0, mask=None):
