@@ -419,3 +419,25 @@ class MergeDropsFullPrecisionMembers(BatchTurboQuantKVCache):
                 for c in caches
             ]
         )
+
+
+@_historical
+class ExtendSwapsCodecsBeforeChecking(BatchTurboQuantKVCache):
+    """extend takes the other batch's codecs before checking that the configurations
+    match: a rejected mixed-seed extend leaves the batch quantizing with the other seed."""
+
+    def extend(self, other):
+        if isinstance(other, BatchTurboQuantKVCache) and other.key_codec is not None:
+            self.key_codec, self.value_codec = other.key_codec, other.value_codec
+        super().extend(other)
+
+
+@_historical
+class PrepareHalfApplies(BatchTurboQuantKVCache):
+    """prepare records the right padding before it checks the left padding: a rejected
+    prepare leaves right padding pending, and the next finalize rolls the rows."""
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = mx.array(right_padding, dtype=mx.int32)
+        super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)

@@ -581,11 +581,19 @@ class World:
         if self.target is None:
             return {}
         t = self.target
+        pending = getattr(t, "_right_padding", None)  # mlx-lm's name for it
         snap = {
             "offset": _ints(t.offset),
             "left_padding": _ints(t.left_padding),
             "size": _ints(t.size()),
             "mask": to_numpy(t.make_mask(2, return_array=True)),
+            "pending right padding": None if pending is None else _ints(pending),
+            "configuration": tuple(
+                getattr(t, name, None) for name in ("bits", "key_bits", "value_bits", "seed")
+            ),
+            # The codec objects themselves: a rejected op must not swap them,
+            # even for codecs of the same head_dim and bits (another seed).
+            "codecs": tuple(getattr(t, name, None) for name in ("key_codec", "value_codec")),
         }
         if self.capabilities["dequantize"] and not t.empty() and self.model.end > 0:
             k, v = t.dequantize()

@@ -185,9 +185,14 @@ def bad_input_op(draw, batch_size: int, written: int, capabilities: dict, world_
             ({"op": "prepare", "left_padding": [0] * (B + 1), "right_padding": None}, "ValueError"),
         ]
         if written:
-            choices.append(
-                ({"op": "prepare", "left_padding": [1] * B, "right_padding": None}, "ValueError")
-            )
+            choices += [
+                ({"op": "prepare", "left_padding": [1] * B, "right_padding": None}, "ValueError"),
+                # a valid right padding with the refused left one: nothing may stick
+                (
+                    {"op": "prepare", "left_padding": [1] * B, "right_padding": [1] * B},
+                    "ValueError",
+                ),
+            ]
     if capabilities.get("extend"):
         other = [
             {"op": "new", "left_padding": [0], "seed": world_seed + 1},
