@@ -19,8 +19,18 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 from tqbatch import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
 from tqbatch.e2e import LOGITS_ATOL, reference_run
 from tqbatch.serving import MaskWidthProbe, make_prompt_caches
+from tqbatch.testing.backend import matmul_precision
 
 from .conftest import BITS, SEED, SPEC
+
+# BatchGenerator can be neither teacher-forced nor tapped, so these tests compare
+# logits with the requests run alone at LOGITS_ATOL, which holds at float32 only
+# (noise ~1e-5). Seen on an H200 at TF32: 1.3e-4, and 5.1e-2 where a code flipped.
+tf32 = pytest.mark.skipif(
+    matmul_precision() == "tf32",
+    reason="logits vs alone at 1e-4 need float32 matmuls; the model matrix checks "
+    "the same paths with its cache oracle at TF32",
+)
 
 DENSE = [SPEC.num_layers - 1]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [100, 200, 300, 400, 5, 6, 7, 8, 9, 10, 11]]
@@ -65,6 +75,7 @@ def _assert_matches_alone(model, history, tokens, logprobs):
         assert mx.abs(mine - alone).max().item() <= LOGITS_ATOL
 
 
+@tf32
 def test_batch_generator_with_tqbatch_caches_equals_requests_alone(probed):
     model, probe = probed
     gen = BatchGenerator(model, max_tokens=8, prefill_batch_size=2, completion_batch_size=3)
@@ -94,6 +105,7 @@ def test_batch_generator_merges_into_tqbatch_and_batch_kv_caches(probed):
     ] * 3 + [BatchKVCache]
 
 
+@tf32
 def test_extracted_caches_resume_a_conversation(probed):
     """A finished request's caches, re-inserted with a follow-up, continue it exactly."""
     model, _ = probed

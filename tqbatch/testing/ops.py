@@ -429,6 +429,11 @@ class World:
             fp = attention(
                 queries[b][:, valid], req.keys, req.values, ref_mask[0, 0], D**-0.5
             ).astype(np.float32)
+            if float(np.sqrt(np.mean(fp**2))) <= bound:
+                # An all-zero output would be within the bound (low bits, few
+                # tokens: the output's own RMS is below it), so passing says
+                # nothing; the TurboQuant reference check above judges the row.
+                continue
             fp_err = float(np.sqrt(np.mean((got - fp) ** 2)))
             if fp_err > bound:
                 _fail(
