@@ -32,10 +32,13 @@ __all__ = [
     "Family",
     "SPECS",
     "build",
+    "call_kwargs",
     "forward",
+    "logits_of",
     "make_batch_cache",
     "make_single_cache",
     "quantized_layers",
+    "vocab_size",
 ]
 
 FAMILIES: tuple[str, ...] = (
