@@ -201,3 +201,15 @@ def test_recording_twice_gives_identical_bytes(tmp_path, monkeypatch):
         # another platform (an H200: float32 GPU rounding) only the same names.
         if Scenario.load(GOLDEN / f"{SMALL}.json").recording["platform"] == sc.platform_id():
             assert all(np.array_equal(recorded[k], shipped[k]) for k in shipped.files)
+
+
+def test_failures_of_two_targets_on_the_same_ops_get_two_files(tmp_path):
+    """A survey of several caches into one directory must not overwrite a repro."""
+    ops = Scenario.load(GOLDEN / f"{FILTER}.json").ops
+    paths = {
+        write_failure(ops, {}, tmp_path, options={"impl": impl})
+        for impl in ("tqbatch.testing.mutants:FilterWithoutCompaction", "mypkg.cache:MyCache")
+    }
+    assert len(paths) == 2 and all(p.exists() for p in paths)
+    assert {p.stem.split("_")[1] for p in paths} == {"filterwithoutcompaction", "mycache"}
+    assert write_failure(ops, {}, tmp_path).stem.startswith("failure_")  # no target given

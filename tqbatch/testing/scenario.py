@@ -760,8 +760,15 @@ def write_failure(
     merged = dict(DEFAULT_CONFIG)
     merged.update(config or {})
     ops = copy.deepcopy(list(ops))
-    digest = hashlib.sha256(json.dumps([merged, ops], sort_keys=True).encode()).hexdigest()[:10]
-    name = _slug(name) if name else f"failure_{digest}"
+    # The target is part of the name: two targets failing on the same ops (a
+    # survey of several caches into one directory) must not overwrite each other.
+    target = (options or {}).get("impl")
+    digest = hashlib.sha256(json.dumps([merged, ops, target], sort_keys=True).encode()).hexdigest()[
+        :10
+    ]
+    if not name:
+        name = f"failure_{target.rsplit(':', 1)[-1]}_{digest}" if target else f"failure_{digest}"
+    name = _slug(name)
     found = time.strftime("%Y-%m-%d")
     text = description or (
         f"Found by the property machine on {found}"
