@@ -441,3 +441,14 @@ class PrepareHalfApplies(BatchTurboQuantKVCache):
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = mx.array(right_padding, dtype=mx.int32)
         super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
+
+
+@_historical
+class DefaultMaskIsNoneAtDecode(BatchTurboQuantKVCache):
+    """make_mask(1) with return_array left False returns None, as a single-request
+    cache may at decode: with padded rows, models then attend the padding."""
+
+    def make_mask(self, N, return_array=False, window_size=None, **kwargs):
+        if N == 1 and not return_array:
+            return None
+        return super().make_mask(N, return_array=return_array, window_size=window_size)

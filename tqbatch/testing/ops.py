@@ -38,7 +38,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch.testing.backend import matmul_precision
 from tqbatch.testing.impl import OPS_BY_CAPABILITY, capabilities, load_impl
-from tqbatch.testing.model import BatchModel, attention
+from tqbatch.testing.model import BatchModel, attention, causal_mask
 from tqbatch.testing.reference import DenseOracle, TurboReferences, to_numpy
 from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, excess_ratios
 
@@ -669,6 +669,30 @@ class World:
                     f"make_mask({n}, window_size={window}) differs from BatchKVCache's "
                     f"in rows {rows}",
                 )
+            self._check_default_mask(op, n, window, want)
+
+    def _check_default_mask(self, op, n, window, want):
+        """``make_mask(n)`` as models call it (``return_array`` left False).
+
+        BatchKVCache returns the array; None (attend everything) or "causal"
+        are as good only where they mean the same mask: no row padded, no
+        window cutting in.
+        """
+        default = self.target.make_mask(n, window_size=window)
+        if isinstance(default, mx.array):
+            if to_numpy(default).shape != want.shape or not np.array_equal(to_numpy(default), want):
+                _fail(op, f"make_mask({n}, window_size={window}) differs from BatchKVCache's")
+            return
+        plain = causal_mask(n, self.model.end, [0] * self.model.batch_size, None)
+        if default is None and want.all():
+            return
+        if isinstance(default, str) and default == "causal" and np.array_equal(want, plain):
+            return
+        _fail(
+            op,
+            f"make_mask({n}, window_size={window}) returned {default!r} where BatchKVCache's "
+            "mask masks padding or a window",
+        )
 
     def _check_rows(self, op):
         if not self.capabilities["dequantize"] or self.model.end == 0:
@@ -722,8 +746,6 @@ def _excess(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> str | None:
 
 def _single_mask(n_queries: int, past: int, window) -> np.ndarray:
     """(1, 1, N, past + N) causal mask of a lone, unpadded request."""
-    from tqbatch.testing.model import causal_mask
-
     return causal_mask(n_queries, past, [0], window)
 
 
