@@ -276,7 +276,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
     @property
     def config(self) -> tuple:
         """(bits, key_bits, value_bits, seed): what two caches must share to be batched."""
-        return (self.bits, self.key_bits, self.value_bits, self.seed)
+        return _config_of(self)
 
     def size(self) -> int:
         """The written end: number of token slots in use, padding included."""

@@ -71,7 +71,7 @@ def _targets(args):
 def markdown(cells, targets) -> str:
     """The matrix as a markdown table: family, scenario, one column per target."""
     by_key = {(c.family, c.scenario, c.target): c for c in cells}
-    rows = sorted({(c.family, c.scenario) for c in cells}, key=lambda k: _order(cells, k))
+    rows = dict.fromkeys((c.family, c.scenario) for c in cells)  # in run order
     lines = [
         "| family | scenario | " + " | ".join(t.name for t in targets) + " |",
         "|---|---|" + "---|" * len(targets),
@@ -82,11 +82,6 @@ def markdown(cells, targets) -> str:
             f"| {family} | {scenario} | " + " | ".join(b.replace("|", "/") for b in briefs) + " |"
         )
     return "\n".join(lines)
-
-
-def _order(cells, key):
-    keys = [(c.family, c.scenario) for c in cells]
-    return keys.index(key)
 
 
 def regressions(cells, target_name: str) -> list:

@@ -153,7 +153,8 @@ SPECS: dict[str, Family] = {
     )
 }
 
-# One plain config dict per family, passed to the family's own config class.
+# One plain config dict per family, passed to the family's own config class
+# (gemma4's, the Gemma 4 VLM's text_config, is gemma4_text's: added below).
 # head_dim is 64 throughout; families without a head_dim field derive it as
 # hidden_size // num_attention_heads, hence 2 query heads there. MLPs are 128
 # wide: on a CPU most of a forward's time is the matmuls.
@@ -283,24 +284,10 @@ _CONFIGS: dict[str, dict] = {
         sliding_window=_SLIDING_WINDOW,
         layer_types=_ALTERNATING,
     ),
-    "gemma4": dict(  # gemma4.config.TextConfig, the Gemma 4 VLM's text_config
-        model_type="gemma4_text",
-        hidden_size=128,
-        num_hidden_layers=6,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        global_head_dim=64,
-        vocab_size=512,
-        vocab_size_per_layer_input=512,
-        num_kv_shared_layers=0,
-        hidden_size_per_layer_input=0,
-        sliding_window=_SLIDING_WINDOW,
-        sliding_window_pattern=2,
-        layer_types=_ALTERNATING,
-    ),
 }
+
+
+_CONFIGS["gemma4"] = dict(_CONFIGS["gemma4_text"])  # gemma4.config.TextConfig
 
 
 def _config(cls, params: dict):

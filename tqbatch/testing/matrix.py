@@ -314,15 +314,7 @@ class Oracle:
         # shrinking every weight, so the bound without it stays an upper bound.
         tol = attention_tolerance(q, ref_keys, ref_values, mask[0, 0], call.scale)
         mine, theirs = to_numpy(got.astype(mx.float32)), to_numpy(want.astype(mx.float32))[0]
-        ratios = excess_ratios(mine, theirs, tol)
-        ratio = float(ratios.max()) if ratios.size else 0.0
-        self.checks += 1
-        self.worst = max(self.worst, ratio)
-        if not ratio <= 1.0:
-            raise CacheCheck(
-                f"{where}: attention output differs from the request's by {ratio:.3g}x the "
-                "tolerance"
-            )
+        self._judge(mine, theirs, tol, f"{where}: attention output differs")
 
     # -------- checks
 
@@ -364,14 +356,16 @@ class Oracle:
                 raise CacheCheck(
                     f"{where}: {name} (H, T, D) {mine.shape}, the request's {theirs.shape}"
                 )
-            ratios = excess_ratios(mine, theirs, content_tolerance(theirs))
-            ratio = float(ratios.max()) if ratios.size else 0.0
-            self.checks += 1
-            self.worst = max(self.worst, ratio)
-            if not ratio <= 1.0:
-                raise CacheCheck(
-                    f"{where}: {name} differ from the request's by {ratio:.3g}x the tolerance"
-                )
+            self._judge(mine, theirs, content_tolerance(theirs), f"{where}: {name} differ")
+
+    def _judge(self, mine, theirs, tol, what: str):
+        """Count one check; raise ``CacheCheck`` if ``mine`` is beyond ``tol`` of ``theirs``."""
+        ratios = excess_ratios(mine, theirs, tol)
+        ratio = float(ratios.max()) if ratios.size else 0.0
+        self.checks += 1
+        self.worst = max(self.worst, ratio)
+        if not ratio <= 1.0:
+            raise CacheCheck(f"{what} from the request's by {ratio:.3g}x the tolerance")
 
 
 # ---------------------------------------------------------------- the server
