@@ -41,14 +41,14 @@ def test_write_failure_pins_a_failing_sequence(tmp_path):
     assert scenario.ops == ops and scenario.recording is None
     assert "left_padding is [4, 3]" in scenario.description
     bad = replay(path, MUTANTS["FilterWithoutCompaction"], use_recording=False)
-    assert not bad.ok and bad.divergences[0].quantity == "oracle"
+    assert not bad.ok and bad.divergences[0].quantity == "left_padding"
     assert replay(path, use_recording=False).ok
     # Without a recording a plain replay says so instead of passing, and
     # still reproduces the failure against the oracles.
     unrecorded = replay(path)
     assert not unrecorded.ok and "not recorded" in unrecorded.summary()
     reproduced = replay(path, MUTANTS["FilterWithoutCompaction"])
-    assert [d.quantity for d in reproduced.divergences] == ["recording", "oracle"]
+    assert [d.quantity for d in reproduced.divergences] == ["recording", "left_padding"]
     assert main(["replay", str(path)]) == 1
     assert main(["replay", "--oracles-only", str(path)]) == 0
     # Once fixed, one command records it.

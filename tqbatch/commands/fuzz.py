@@ -1,12 +1,14 @@
 """``tqbatch fuzz``: a bounded property-machine campaign against a target.
 
-Runs ``tqbatch.testing.stateful``'s machine in rounds (each a Hypothesis run
-with its own seed) until the example budget or the time budget is spent,
-showing a progress bar; then prints a summary (examples, ops, how often each
-op ran, op pairs covered, failures). On a failure it prints the shrunk op
-sequence, saves it as a golden scenario (``tqbatch.testing.scenario``) and
-exits 1. ``--workers N`` runs N shards through pytest-xdist (``-n N``), each
-shard a distinct seed.
+Argument parsing and printing around ``tqbatch.testing.campaign``: a
+progress bar, then a summary (examples, shrink runs, how often each op ran,
+op pairs covered, failures). On a failure it prints the shrunk op sequence,
+saves it as a scenario (``tqbatch.testing.scenario``) and exits 1.
+``--survey`` keeps going after failures and lists every distinct failing
+check, each with its own saved scenario; it exits 1 only for failures of the
+contract (policy differences are listed, see ``tqbatch.testing.checks``).
+``--workers N`` runs N shards through pytest-xdist (``-n N``), each shard a
+distinct seed; every shard's failures are reported.
 """
 
 from __future__ import annotations
@@ -17,14 +19,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqbatch.commands import add_impl_argument
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-ROUND_EXAMPLES = 5  # examples per Hypothesis run: the time budget is checked between runs
 _ENV = "TQBATCH_FUZZ_SHARD"  # JSON settings of a pytest-xdist shard
 
 
@@ -34,7 +33,8 @@ def register(subparsers) -> None:
         help="run a bounded state-machine campaign against a cache; exit 1 on failure",
         description=(
             "Drive the cache through random op sequences checked against the oracles. "
-            "On failure, print the shrunk op sequence, save it as a scenario and exit 1."
+            "On failure, print the shrunk op sequence, save it as a scenario and exit 1. "
+            "With --survey, keep going and list every distinct failing check."
         ),
     )
     add_impl_argument(parser)
@@ -55,7 +55,12 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--out",
         default="fuzz-failures",
-        help="directory for the failing scenario (default: ./fuzz-failures)",
+        help="directory for the failing scenarios (default: ./fuzz-failures)",
+    )
+    parser.add_argument(
+        "--survey",
+        action="store_true",
+        help="keep going after failures: every distinct failing check, each with its repro",
     )
     parser.add_argument(
         "--no-contract-checks",
@@ -65,94 +70,19 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-@dataclass
-class CampaignResult:
-    examples: int = 0
-    op_counts: dict = field(default_factory=dict)
-    pair_counts: dict = field(default_factory=dict)
-    failure: dict | None = None
-    seconds: float = 0.0
+def _campaign(impl, options: dict, seed: int, on_example=None):
+    from tqbatch.testing.campaign import run_campaign
 
-    def absorb(self, other: CampaignResult):
-        self.examples += other.examples
-        for name, n in other.op_counts.items():
-            self.op_counts[name] = self.op_counts.get(name, 0) + n
-        for pair, n in other.pair_counts.items():
-            self.pair_counts[pair] = self.pair_counts.get(pair, 0) + n
-        self.failure = self.failure or other.failure
-        self.seconds = max(self.seconds, other.seconds)
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data["pair_counts"] = {" > ".join(k): v for k, v in self.pair_counts.items()}
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict) -> CampaignResult:
-        pairs = {tuple(k.split(" > ")): v for k, v in data["pair_counts"].items()}
-        return cls(data["examples"], data["op_counts"], pairs, data["failure"], data["seconds"])
-
-
-def campaign(
-    impl, *, examples, minutes, profile, seed, on_example=None, contract_checks=True
-) -> CampaignResult:
-    """Run the machine against ``impl`` until ``examples`` or ``minutes`` is spent."""
-    from hypothesis import Phase, settings
-    from hypothesis import seed as hypothesis_seed
-    from hypothesis.stateful import run_state_machine_as_test
-
-    from tqbatch.testing.profiles import register_profiles
-    from tqbatch.testing.stateful import UnsupportedOpsWarning, machine_for
-
-    register_profiles()
-    base = settings.get_profile(profile)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnsupportedOpsWarning)
-        machine = machine_for(impl, contract_checks=contract_checks)
-    result = CampaignResult()
-
-    class Counting(machine):
-        def teardown(self):
-            result.examples += 1
-            if on_example:
-                on_example(result)
-
-    start = time.monotonic()
-    deadline = start + minutes * 60 if minutes else None
-    round_no = 0
-    while True:
-        if examples is not None and result.examples >= examples:
-            break
-        if deadline is not None and time.monotonic() >= deadline:
-            break
-        n = ROUND_EXAMPLES if examples is None else min(ROUND_EXAMPLES, examples - result.examples)
-        round_settings = settings(
-            base,
-            max_examples=n,
-            derandomize=False,
-            database=None,
-            phases=[Phase.generate, Phase.shrink],
-        )
-
-        def factory():
-            return Counting()
-
-        hypothesis_seed(seed * 1_000_003 + round_no)(factory)
-        round_no += 1
-        try:
-            run_state_machine_as_test(factory, settings=round_settings)
-        except Exception as exc:  # the machine recorded the shrunk failure
-            failure = Counting.last_failure
-            result.failure = (
-                asdict(failure)
-                if failure is not None
-                else {"impl": "", "config": {}, "ops": [], "message": repr(exc)}
-            )
-            break
-    result.op_counts = dict(Counting.op_counts)
-    result.pair_counts = dict(Counting.pair_counts)
-    result.seconds = time.monotonic() - start
-    return result
+    return run_campaign(
+        impl,
+        examples=options["examples"],
+        minutes=options["minutes"],
+        profile=options["profile"],
+        seed=seed,
+        survey=options["survey"],
+        contract_checks=options["contract_checks"],
+        on_example=on_example,
+    )
 
 
 # ---------------------------------------------------------------- pytest-xdist shards
@@ -168,17 +98,19 @@ def test_fuzz_shard(shard):
     out = Path(cfg["dir"]) / f"shard-{shard}.json"
 
     def save(result):
-        out.write_text(json.dumps(result.to_json()))
+        data = result.to_json()
+        data["shards"] = [
+            {
+                "shard": shard,
+                "examples": result.examples,
+                "failures": len(result.failures),
+                "seconds": result.seconds,
+            }
+        ]
+        out.write_text(json.dumps(data))
 
-    result = campaign(
-        load_impl(cfg["impl"]),
-        examples=cfg["examples"],
-        minutes=cfg["minutes"],
-        profile=cfg["profile"],
-        seed=cfg["seed"] * 1000 + shard,
-        on_example=save,
-        contract_checks=cfg["contract_checks"],
-    )
+    options = dict(cfg["options"], examples=cfg["shard_examples"])
+    result = _campaign(load_impl(options["impl"]), options, options["seed"] * 1000 + shard, save)
     save(result)
 
 
@@ -188,25 +120,18 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("shard", range(workers))
 
 
-def _run_workers(args, progress_update) -> CampaignResult:
+def _run_workers(options: dict, progress_update):
     shard_examples = None
-    if args.examples is not None:
-        shard_examples = -(-args.examples // args.workers)
+    if options["examples"] is not None:
+        shard_examples = -(-options["examples"] // options["workers"])
     with tempfile.TemporaryDirectory() as tmp:
         cfg = dict(
-            impl=args.impl,
-            examples=shard_examples,
-            minutes=args.minutes,
-            profile=args.profile,
-            seed=args.seed,
-            workers=args.workers,
-            dir=tmp,
-            contract_checks=not args.no_contract_checks,
+            options=options, shard_examples=shard_examples, workers=options["workers"], dir=tmp
         )
         env = dict(os.environ, **{_ENV: json.dumps(cfg)})
         cmd = [
             sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-            "-n", str(args.workers), "--rootdir", tmp, "-o", "addopts=",
+            "-n", str(options["workers"]), "--rootdir", tmp, "-o", "addopts=",
             "-k", "test_fuzz_shard", "-W", "ignore",
         ]  # fmt: skip
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -220,13 +145,17 @@ def _run_workers(args, progress_update) -> CampaignResult:
         return total
 
 
-def _collect(directory) -> CampaignResult:
+def _collect(directory):
+    from tqbatch.testing.campaign import CampaignResult
+
     total = CampaignResult()
     for path in sorted(Path(directory).glob("shard-*.json")):
         try:
-            total.absorb(CampaignResult.from_json(json.loads(path.read_text())))
-        except (json.JSONDecodeError, KeyError):
+            shard = CampaignResult.from_json(json.loads(path.read_text()))
+        except (json.JSONDecodeError, KeyError, TypeError):
             continue  # a shard is mid-write; the next poll reads it
+        total.absorb(shard)
+        total.shards.extend(shard.shards)
     return total
 
 
@@ -236,11 +165,8 @@ def _collect(directory) -> CampaignResult:
 def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
-    from tqbatch.testing.backend import describe_line
     from tqbatch.testing.impl import ImplSpecError, load_impl, missing_capabilities
-    from tqbatch.testing.ops import format_ops
 
     console = Console(stderr=True)
     try:
@@ -253,69 +179,128 @@ def run(args) -> int:
         return EXIT_USAGE
     if args.examples is None and args.minutes is None:
         args.minutes = 2.0
-    args.impl = f"{impl.__module__}:{impl.__qualname__}"
+    target = f"{impl.__module__}:{impl.__qualname__}"
     missing = missing_capabilities(impl)
     if missing:
-        console.print(f"{args.impl} lacks {', '.join(missing)}: those rules are skipped")
+        console.print(f"{target} lacks {', '.join(missing)}: those rules are skipped")
+    # Every option of the run, saved with each failure so that it can be rerun.
+    options = {
+        "impl": target,
+        "examples": args.examples,
+        "minutes": args.minutes,
+        "profile": args.profile,
+        "seed": args.seed,
+        "workers": args.workers,
+        "survey": args.survey,
+        "contract_checks": not args.no_contract_checks,
+    }
 
-    total = args.examples
     with Progress(
-        TextColumn("fuzzing {task.fields[impl]}"),
+        TextColumn(("surveying" if args.survey else "fuzzing") + " {task.fields[impl]}"),
         BarColumn(),
         TextColumn("{task.completed} examples"),
         TimeElapsedColumn(),
         console=console,
     ) as progress:
-        task = progress.add_task("fuzz", total=total, impl=args.impl)
+        task = progress.add_task("fuzz", total=args.examples, impl=target)
         if args.workers > 1:
-            result = _run_workers(args, lambda n: progress.update(task, completed=n))
+            result = _run_workers(options, lambda n: progress.update(task, completed=n))
         else:
-            result = campaign(
+            result = _campaign(
                 impl,
-                examples=args.examples,
-                minutes=args.minutes,
-                profile=args.profile,
-                seed=args.seed,
-                on_example=lambda r: progress.update(task, completed=r.examples),
-                contract_checks=not args.no_contract_checks,
+                options,
+                args.seed,
+                lambda r: progress.update(task, completed=r.examples),
             )
+    _print_summary(result, target, args.backend, missing)
+    paths = _save_failures(result, args, options)
+    if args.survey:
+        _print_survey(result, paths)
+    elif result.failure:
+        from tqbatch.testing.ops import format_ops
+
+        console.print(f"[red]FAILED[/red]: {result.failure['message']}")
+        console.print("shrunk op sequence:\n" + format_ops(result.failure["ops"]))
+    for path in paths:
+        if path is not None:
+            console.print(f"saved as a scenario: {path}  (reproduce: tqbatch replay {path})")
+    if args.survey:
+        from tqbatch.testing.campaign import conforms
+
+        return EXIT_OK if conforms(result) else EXIT_FAILED
+    return EXIT_FAILED if result.failures else EXIT_OK
+
+
+def _print_summary(result, target, backend, missing) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tqbatch.testing.backend import describe_line
 
     table = Table(title="tqbatch fuzz summary")
     table.add_column("quantity")
     table.add_column("value", justify="right")
-    table.add_row("target", args.impl)
-    table.add_row("backend", describe_line(args.backend))
+    table.add_row("target", target)
+    table.add_row("backend", describe_line(backend))
     table.add_row("examples", str(result.examples))
+    table.add_row("shrink runs", str(result.shrink_runs))
     table.add_row("ops", str(sum(result.op_counts.values())))
     table.add_row("seconds", f"{result.seconds:.0f}")
     for name, n in sorted(result.op_counts.items()):
         table.add_row(f"  op {name}", str(n))
     table.add_row("op pairs covered", str(len(result.pair_counts)))
-    table.add_row("failures", "1" if result.failure else "0")
+    for shard in sorted(result.shards, key=lambda s: s["shard"]):
+        table.add_row(
+            f"  shard {shard['shard']}",
+            f"{shard['examples']} examples, {shard['failures']} failures",
+        )
+    table.add_row("failures", str(len(result.failures)))
     table.add_row("skipped (unsupported)", ", ".join(missing) or "-")
     Console().print(table)
 
-    if not result.failure:
-        return EXIT_OK
-    failure = result.failure
-    console.print(f"[red]FAILED[/red]: {failure['message']}")
-    console.print("shrunk op sequence:\n" + format_ops(failure["ops"]))
-    if failure["ops"]:
-        from tqbatch.testing.scenario import write_failure
 
-        path = write_failure(
-            failure["ops"],
-            failure["config"],
-            args.out,
-            error=failure["message"],
-            backend=args.backend,
-            options={
-                "impl": args.impl,
-                "profile": args.profile,
-                "seed": args.seed,
-                "workers": args.workers,
-                "contract_checks": not args.no_contract_checks,
-            },
+def _save_failures(result, args, options) -> list:
+    from tqbatch.testing.scenario import write_failure
+
+    paths = []
+    for failure in result.failures:
+        if not failure["ops"]:
+            paths.append(None)  # the harness itself failed: nothing to replay
+            continue
+        paths.append(
+            write_failure(
+                failure["ops"],
+                failure["config"],
+                args.out,
+                error=failure["message"],
+                backend=args.backend,
+                options=options,
+                identity=failure.get("identity") or None,
+                tolerated=failure.get("tolerated") or [],
+            )
         )
-        console.print(f"saved as a scenario: {path}  (reproduce: tqbatch replay {path})")
-    return EXIT_FAILED
+    return paths
+
+
+def _print_survey(result, paths) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if not result.failures:
+        Console().print(f"no failures in {result.examples} examples")
+        return
+
+    table = Table(title="distinct failures (check@op: what failed, and where)")
+    for column in ("identity", "level", "ops", "what failed", "scenario"):
+        table.add_column(column)
+    for failure, path in zip(result.failures, paths):
+        table.add_row(
+            failure.get("identity") or "(harness)",
+            failure["level"],
+            str(len(failure["ops"])),
+            (failure.get("what") or failure["message"]).splitlines()[0][:160],
+            str(path or "-"),
+        )
+    Console().print(table)
+    if result.exhausted:
+        Console().print("every example ended in a failure already listed: the search stopped")

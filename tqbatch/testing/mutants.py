@@ -2,15 +2,17 @@
 
 Every class here subclasses ``tqbatch.BatchTurboQuantKVCache`` and overrides
 as little as possible to re-introduce exactly one bug: the eight defects the
-omlx seed was measured to have (issue 2), and the historical ones named in the
-seed's comments and in omlx / mlx-vlm issues. A harness that is worth running
+omlx seed was measured to have, and the historical ones named in the seed's
+comments and in omlx / mlx-vlm issues. A harness that is worth running
 must *kill* each of them (fail against it); the golden scenarios and the
 suite-strength self-test use this catalogue to show that theirs do.
 
 Each class is importable by path, e.g.
 ``TQBATCH_IMPL=tqbatch.testing.mutants:FilterWithoutCompaction``.
-``MUTANTS`` maps a name to its class, ``DESCRIPTIONS`` a name to its one-line
-description (the class docstring), ``SEED_DEFECTS`` names the eight seed ones.
+``MUTANTS`` maps a name to its class, ``CATCHES`` a name to the check
+(``tqbatch.testing.checks``) that must catch it, ``DESCRIPTIONS`` a name to its
+one-line description (the class docstring), ``SEED_DEFECTS`` names the eight
+seed ones.
 """
 
 from __future__ import annotations
@@ -21,29 +23,45 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import _packed
 from tqbatch.cache import BatchTurboQuantKVCache, _as_packed
+from tqbatch.testing.checks import CHECKS
 
-__all__ = ["MUTANTS", "DESCRIPTIONS", "SEED_DEFECTS", "HISTORICAL", "describe", "import_path"]
+__all__ = [
+    "MUTANTS",
+    "CATCHES",
+    "DESCRIPTIONS",
+    "SEED_DEFECTS",
+    "HISTORICAL",
+    "describe",
+    "import_path",
+]
 
 MUTANTS: dict[str, type[BatchTurboQuantKVCache]] = {}
+# Mutant name -> the check (tqbatch.testing.checks) that must catch it: the
+# self-test counts a mutant as caught only by that check.
+CATCHES: dict[str, str] = {}
 SEED_DEFECTS: list[str] = []
 HISTORICAL: list[str] = []
 
 
-def _mutant(kind: list[str]):
+def _mutant(kind: list[str], catches: str):
+    if catches not in CHECKS:
+        raise ValueError(f"{catches!r} is not a check of tqbatch.testing.checks")
+
     def register(cls):
         MUTANTS[cls.__name__] = cls
+        CATCHES[cls.__name__] = catches
         kind.append(cls.__name__)
         return cls
 
     return register
 
 
-def _seed(cls):
-    return _mutant(SEED_DEFECTS)(cls)
+def _seed(catches: str):
+    return _mutant(SEED_DEFECTS, catches)
 
 
-def _historical(cls):
-    return _mutant(HISTORICAL)(cls)
+def _historical(catches: str):
+    return _mutant(HISTORICAL, catches)
 
 
 def _float_roll(x: mx.array, shifts: mx.array) -> mx.array:
@@ -56,7 +74,7 @@ def _float_roll(x: mx.array, shifts: mx.array) -> mx.array:
 # --------------------------------------------------------------- seed defects
 
 
-@_seed
+@_seed("left_padding")
 class FilterWithoutCompaction(BatchTurboQuantKVCache):
     """filter() keeps shared left padding instead of compacting it: masks grow wider than
     BatchKVCache's (seed defect 1).
@@ -76,7 +94,7 @@ class FilterWithoutCompaction(BatchTurboQuantKVCache):
         self._invalidate()
 
 
-@_seed
+@_seed("content")
 class FinalizeRequantizes(BatchTurboQuantKVCache):
     """finalize() dequantizes, rolls the floats and re-quantizes: lossy, rows drift from the
     reference (seed defect 2).
@@ -97,7 +115,7 @@ class FinalizeRequantizes(BatchTurboQuantKVCache):
         self._invalidate()
 
 
-@_seed
+@_seed("raises")
 class TrimCrashesAtBatch(BatchTurboQuantKVCache):
     """trim() uses the single-request parent's int-offset arithmetic and crashes at B > 1 (seed
     defect 3, omlx #3767).
@@ -109,7 +127,7 @@ class TrimCrashesAtBatch(BatchTurboQuantKVCache):
         return super().trim(n)
 
 
-@_seed
+@_seed("size_type")
 class SizeAsArray(BatchTurboQuantKVCache):
     """size() returns the per-row offsets as an array instead of the written end as an int (seed
     defect 4).
@@ -119,7 +137,7 @@ class SizeAsArray(BatchTurboQuantKVCache):
         return mx.array(self.offset)
 
 
-@_seed
+@_seed("offset")
 class StateDropsGeometry(BatchTurboQuantKVCache):
     """state is only (keys, values): a round trip loses per-row offsets and left padding (seed
     defect 5).
@@ -139,7 +157,7 @@ class StateDropsGeometry(BatchTurboQuantKVCache):
         BatchTurboQuantKVCache.state.fset(self, (keys, values, [end] * rows, [0] * rows))
 
 
-@_seed
+@_seed("raises")
 class BatchOnePaddingMishandled(BatchTurboQuantKVCache):
     """At B = 1, prepare(left_padding=...) crashes and prepare(right_padding=...) is silently
     dropped, so finalize() attends to padding (seed defect 6).
@@ -154,7 +172,7 @@ class BatchOnePaddingMishandled(BatchTurboQuantKVCache):
         super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
 
 
-@_seed
+@_seed("content")
 class HeadDimFromPackedWidth(BatchTurboQuantKVCache):
     """The meta_state restore infers head_dim from the packed width (D = 80 at 3 bits comes back as
     85) (seed defect 7, omlx #577).
@@ -175,7 +193,7 @@ class HeadDimFromPackedWidth(BatchTurboQuantKVCache):
         BatchTurboQuantKVCache.meta_state.fset(self, tuple(value))
 
 
-@_seed
+@_seed("rejects")
 class ExtendAcceptsMixedConfig(BatchTurboQuantKVCache):
     """extend() does not compare (bits, seed): rows of two codecs end up in one batch (seed defect
     8, omlx #2045).
@@ -190,7 +208,7 @@ class ExtendAcceptsMixedConfig(BatchTurboQuantKVCache):
 # --------------------------------------------------------------- historical
 
 
-@_historical
+@_historical("written_end")
 class WriteAtMaxOffset(BatchTurboQuantKVCache):
     """update_and_fetch() writes at max(offset) instead of the written end: lands inside live KV
     when every row is padded (omlx #2172).
@@ -202,7 +220,7 @@ class WriteAtMaxOffset(BatchTurboQuantKVCache):
         return super().update_and_fetch(keys, values)
 
 
-@_historical
+@_historical("offset")
 class WriteAtCapacity(BatchTurboQuantKVCache):
     """update_and_fetch() writes at the allocated capacity instead of the written end: a gap opens
     once the buffer has grown (seed comment on _phys_end).
@@ -216,7 +234,7 @@ class WriteAtCapacity(BatchTurboQuantKVCache):
         return super().update_and_fetch(keys, values)
 
 
-@_historical
+@_historical("offset")
 class StateExposesCapacity(BatchTurboQuantKVCache):
     """state slices to the allocated capacity instead of the written end, exposing unwritten slots
     after growth past 256 (seed comment on state).
@@ -246,7 +264,7 @@ class StateExposesCapacity(BatchTurboQuantKVCache):
         BatchTurboQuantKVCache.meta_state.fset(self, value)
 
 
-@_historical
+@_historical("mask_values")
 class HandWrittenMaskHidesLeftPadded(BatchTurboQuantKVCache):
     """make_mask() is hand-written assuming each row's tokens start at column 0: hides valid tokens
     of left-padded rows and exposes padding (omlx PR #1547).
@@ -259,7 +277,7 @@ class HandWrittenMaskHidesLeftPadded(BatchTurboQuantKVCache):
         return mask[None, None] & valid[:, None, None, :]
 
 
-@_historical
+@_historical("mask_values")
 class MakeMaskBatchWindow(BatchTurboQuantKVCache):
     """make_mask() with window_size drops the per-row left padding, so at B > 1 padded rows attend
     to padding (omlx PR #717).
@@ -272,7 +290,7 @@ class MakeMaskBatchWindow(BatchTurboQuantKVCache):
         return mx.broadcast_to(mask, (self.batch_size, 1, *mask.shape))
 
 
-@_historical
+@_historical("offset")
 class ExtendAlignsOnCapacity(BatchTurboQuantKVCache):
     """extend() right-aligns both sides on their allocated capacity instead of their written end,
     burying the shorter side's rows (seed comment on extend).
@@ -288,7 +306,7 @@ class ExtendAlignsOnCapacity(BatchTurboQuantKVCache):
         super().extend(other)
 
 
-@_historical
+@_historical("size")
 class RestoreLeavesEndStale(BatchTurboQuantKVCache):
     """Restoring state/meta_state keeps the instance's previous written end instead of the restored
     one (seed comment on state.setter).
@@ -318,7 +336,7 @@ class RestoreLeavesEndStale(BatchTurboQuantKVCache):
         self._end = stale
 
 
-@_historical
+@_historical("left_padding")
 class FilterKeepsOneDeadColumn(BatchTurboQuantKVCache):
     """filter() compacts one column short: after a filter the mask is one column wider than
     BatchKVCache's (omlx #2237).
@@ -339,7 +357,7 @@ class FilterKeepsOneDeadColumn(BatchTurboQuantKVCache):
         self._invalidate()
 
 
-@_historical
+@_historical("structure")
 class HasIdxAttribute(BatchTurboQuantKVCache):
     """The written end is stored as `_idx`, which makes mlx-vlm's rollback_speculative_cache take
     the dense-cache path (seed comment on _phys_end).
@@ -350,7 +368,7 @@ class HasIdxAttribute(BatchTurboQuantKVCache):
         return self._end
 
 
-@_historical
+@_historical("extract_length")
 class ExtractDropsLastToken(BatchTurboQuantKVCache):
     """extract() slices one slot short (stop = end - 1): the extracted request loses its newest
     token.
@@ -366,7 +384,7 @@ class ExtractDropsLastToken(BatchTurboQuantKVCache):
         return single
 
 
-@_historical
+@_historical("offset")
 class FilterForgetsRightPadding(BatchTurboQuantKVCache):
     """filter() drops pending right padding, so the following finalize() does not roll and rows
     attend to padding.
@@ -377,22 +395,7 @@ class FilterForgetsRightPadding(BatchTurboQuantKVCache):
         self._right_padding = None
 
 
-DESCRIPTIONS: dict[str, str] = {
-    name: " ".join(cls.__doc__.split()) for name, cls in MUTANTS.items()
-}
-
-
-def describe(name: str) -> str:
-    """The one-line description of mutant ``name`` (the bug and where it happened)."""
-    return DESCRIPTIONS[name]
-
-
-def import_path(name: str) -> str:
-    """``module:Class`` path of mutant ``name``, as TQBATCH_IMPL takes it."""
-    return f"{__name__}:{MUTANTS[name].__name__}"
-
-
-@_historical
+@_historical("offset")
 class MergeDropsFullPrecisionMembers(BatchTurboQuantKVCache):
     """merge treats full-precision KVCache members as empty rows, as mlx-vlm's
     prefix_cache_merge does for any row that is not TurboQuant: their tokens are lost."""
@@ -421,7 +424,7 @@ class MergeDropsFullPrecisionMembers(BatchTurboQuantKVCache):
         )
 
 
-@_historical
+@_historical("unchanged")
 class ExtendSwapsCodecsBeforeChecking(BatchTurboQuantKVCache):
     """extend takes the other batch's codecs before checking that the configurations
     match: a rejected mixed-seed extend leaves the batch quantizing with the other seed."""
@@ -432,7 +435,7 @@ class ExtendSwapsCodecsBeforeChecking(BatchTurboQuantKVCache):
         super().extend(other)
 
 
-@_historical
+@_historical("unchanged")
 class PrepareHalfApplies(BatchTurboQuantKVCache):
     """prepare records the right padding before it checks the left padding: a rejected
     prepare leaves right padding pending, and the next finalize rolls the rows."""
@@ -443,7 +446,7 @@ class PrepareHalfApplies(BatchTurboQuantKVCache):
         super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
 
 
-@_historical
+@_historical("default_mask")
 class DefaultMaskIsNoneAtDecode(BatchTurboQuantKVCache):
     """make_mask(1) with return_array left False returns None, as a single-request
     cache may at decode: with padded rows, models then attend the padding."""
@@ -452,3 +455,66 @@ class DefaultMaskIsNoneAtDecode(BatchTurboQuantKVCache):
         if N == 1 and not return_array:
             return None
         return super().make_mask(N, return_array=return_array, window_size=window_size)
+
+
+@_historical("content")
+class RoundtripAliasesDonor(BatchTurboQuantKVCache):
+    """state hands out the live buffers when they are exactly full (as mlx-lm's
+    KVCache.state does) and the setter keeps the objects it is given: a restored
+    copy shares arrays with its donor, and the donor's next in-place write lands in it."""
+
+    @property
+    def state(self):
+        if self.keys is not None and _packed.length(self.keys) == self._end:
+            return self.keys, self.values, mx.array(self.offset), mx.array(self.left_padding)
+        return super().state
+
+    @state.setter
+    def state(self, value):
+        BatchTurboQuantKVCache.state.fset(self, value)
+        keys, values = value[0], value[1]
+        if keys is not None and _packed.length(keys) == self._end:
+            self.keys, self.values = keys, values  # the donor's objects, not copies
+
+
+@_historical("offset")
+class MergeDropsEmptyMembers(BatchTurboQuantKVCache):
+    """merge skips empty members (a request with no tokens yet): the batch has fewer
+    rows than the caller passed, and every row after the first empty one is misplaced."""
+
+    @classmethod
+    def merge(cls, caches):
+        caches = list(caches)
+        kept = [c for c in caches if getattr(c, "keys", None) is not None] or caches[:1]
+        return super().merge(kept)
+
+
+@_historical("extract_length")
+class ExtractIgnoresLeftPadding(BatchTurboQuantKVCache):
+    """extract(i) reads the row from slot 0 instead of from its left padding: a
+    padded row comes out with padding in front and its newest tokens cut off."""
+
+    def extract(self, idx):
+        lp = self.left_padding
+        self.left_padding = mx.zeros_like(lp)
+        try:
+            return super().extract(idx)
+        finally:
+            self.left_padding = lp
+
+
+# ---------------------------------------------------------------- lookups
+
+DESCRIPTIONS: dict[str, str] = {
+    name: " ".join(cls.__doc__.split()) for name, cls in MUTANTS.items()
+}
+
+
+def describe(name: str) -> str:
+    """The one-line description of mutant ``name`` (the bug and where it happened)."""
+    return DESCRIPTIONS[name]
+
+
+def import_path(name: str) -> str:
+    """``module:Class`` path of mutant ``name``, as TQBATCH_IMPL takes it."""
+    return f"{__name__}:{MUTANTS[name].__name__}"

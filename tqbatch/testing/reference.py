@@ -211,7 +211,3 @@ class TurboReferences:
             v.setflags(write=False)
             self._dequantized[request_id] = (k, v)
         return self._dequantized[request_id]
-
-    def drop_except(self, request_ids):
-        keep = set(request_ids)
-        self.caches = {i: c for i, c in self.caches.items() if i in keep}

@@ -42,6 +42,7 @@ import numpy as np
 
 from tqbatch.testing.backend import describe as describe_backend
 from tqbatch.testing.backend import matmul_precision
+from tqbatch.testing.checks import KnownFailure
 from tqbatch.testing.impl import load_impl
 from tqbatch.testing.ops import World, format_ops
 from tqbatch.testing.reference import to_numpy
@@ -287,9 +288,12 @@ class Scenario:
         return self.path
 
     def world(self, impl: type) -> World:
+        """A World for this scenario; a survey's failure tolerates what its search did."""
         c = self.config
+        tolerated = set((self.found_on or {}).get("tolerated") or ())
         return World(
             impl,
+            tolerate=(lambda failure: failure.identity in tolerated) if tolerated else None,
             bits=c["bits"],
             seed=c["seed"],
             key_bits=c.get("key_bits"),
@@ -634,7 +638,12 @@ def _run_step(world, step, op, scenario, recorded, result) -> bool:
     except ValueError as exc:  # World: an unknown op, or no batch yet
         raise ScenarioError(f"{scenario.path or scenario.name}: op {step}: {exc}") from exc
     except AssertionError as exc:
-        result.divergences.append(Divergence(step, op, "oracle", str(exc)))
+        # A CheckFailure names its check (tqbatch.testing.checks); anything else is "oracle".
+        check = getattr(getattr(exc, "check", None), "name", "oracle")
+        result.divergences.append(Divergence(step, op, check, getattr(exc, "what", str(exc))))
+        return False
+    except KnownFailure as exc:  # tolerated (found_on) but the target diverged there
+        result.divergences.append(Divergence(step, op, exc.failure.check.name, exc.failure.what))
         return False
     try:
         obs = observe(world.target)
@@ -745,6 +754,8 @@ def write_failure(
     error: str | None = None,
     backend: dict | None = None,
     options: dict | None = None,
+    identity: str | None = None,
+    tolerated: list[str] | None = None,
 ) -> Path:
     """Write a failing op sequence as an (unrecorded) scenario; returns the JSON path.
 
@@ -753,7 +764,9 @@ def write_failure(
     scenario can join tests/golden. Op dicts are deep-copied; ``config`` is a
     dict of scenario config keys (missing ones take ``DEFAULT_CONFIG``) or a World.
     The scenario's ``found_on`` records ``backend`` (default: the current one),
-    the run's ``options`` and the ``error``.
+    the run's ``options`` and the ``error``; for a survey's failure also the
+    check ``identity`` it pins and the identities that were ``tolerated``
+    when it was found (a replay tolerates them too, so it shows that one).
     """
     if isinstance(config, World):
         config = config_from_world(config)
@@ -763,9 +776,8 @@ def write_failure(
     # The target is part of the name: two targets failing on the same ops (a
     # survey of several caches into one directory) must not overwrite each other.
     target = (options or {}).get("impl")
-    digest = hashlib.sha256(json.dumps([merged, ops, target], sort_keys=True).encode()).hexdigest()[
-        :10
-    ]
+    key = json.dumps([merged, ops, target, identity], sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     if not name:
         name = f"failure_{target.rsplit(':', 1)[-1]}_{digest}" if target else f"failure_{digest}"
     name = _slug(name)
@@ -780,6 +792,9 @@ def write_failure(
         found_on["options"] = dict(options)
     if error:
         found_on["error"] = error
+    if identity:
+        found_on["identity"] = identity
+        found_on["tolerated"] = sorted(tolerated or [])
     scenario = Scenario(name=name, description=text, ops=ops, config=merged, found_on=found_on)
     scenario.validate()
     return scenario.save(Path(directory) / f"{name}.json")

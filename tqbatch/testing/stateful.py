@@ -5,7 +5,9 @@ Kept apart from the model and the checks (as zarr does in
 them to ``World.apply``; the invariant calls ``World.check``. Every op is
 ``note()``d as JSON, so a failing run prints a runnable op sequence, and the
 last failure is kept in ``BatchCacheMachine.last_failure`` for writing out as
-a golden scenario.
+a golden scenario; ``failures`` keeps the last one of every check identity
+(``tqbatch.testing.checks``), which after a Hypothesis run is each distinct
+bug's shrunk example.
 
 Use it from a test module::
 
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hypothesis import note
+from hypothesis import note, reject
 from hypothesis import strategies as st
+from hypothesis.control import current_build_context, currently_in_test_context
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -32,8 +36,9 @@ from hypothesis.stateful import (
 )
 
 from tqbatch.testing import strategies as tqs
+from tqbatch.testing.checks import CheckFailure, KnownFailure
 from tqbatch.testing.impl import load_impl, missing_capabilities
-from tqbatch.testing.ops import World, format_ops
+from tqbatch.testing.ops import World
 
 __all__ = [
     "BatchCacheMachine",
@@ -50,15 +55,22 @@ class UnsupportedOpsWarning(UserWarning):
 
 @dataclass
 class Failure:
-    """A failing run: the world configuration, the ops up to the failure, the message."""
+    """A failing run: the world configuration, the ops up to the failure, the message.
+
+    ``identity``, ``check`` and ``level`` come from the ``CheckFailure`` (empty
+    for anything else, e.g. a crash of the harness itself); ``final`` says
+    whether Hypothesis was replaying its shrunk example when it was recorded.
+    """
 
     impl: str
     config: dict
     ops: list = field(default_factory=list)
     message: str = ""
-
-    def as_scenario(self) -> dict:
-        return {"impl": self.impl, "config": self.config, "ops": self.ops, "error": self.message}
+    identity: str = ""
+    check: str = ""
+    level: str = ""
+    what: str = ""
+    final: bool = False
 
 
 class BatchCacheMachine(RuleBasedStateMachine):
@@ -66,7 +78,13 @@ class BatchCacheMachine(RuleBasedStateMachine):
 
     impl: type | None = None
     contract_checks: bool = True
+    # Failures to note and run past instead of raising (see World._report).
+    tolerate: Callable[[CheckFailure], bool] | None = None
+    # Bad-input cases not to draw (a survey's: each is already reported, and
+    # an accepted bad input ends the example, which would starve the search).
+    avoid_cases: frozenset = frozenset()
     last_failure: Failure | None = None
+    failures: dict = {}  # identity -> Failure, the last recorded
     # How often each op ran in this process, for campaign summaries.
     op_counts: dict = {}
     pair_counts: dict = {}
@@ -90,6 +108,8 @@ class BatchCacheMachine(RuleBasedStateMachine):
                 self.world.apply(op)
                 if check_between and i < len(ops) - 1:
                     self.world.check()
+            except KnownFailure:
+                reject()  # already reported, and the target has diverged: end the example
             except BaseException as exc:
                 self._record(exc)
                 raise
@@ -103,12 +123,20 @@ class BatchCacheMachine(RuleBasedStateMachine):
 
     def _record(self, exc: BaseException):
         impl = self.world.impl
-        type(self).last_failure = Failure(
+        checked = isinstance(exc, CheckFailure)
+        failure = Failure(
             impl=f"{impl.__module__}:{impl.__qualname__}",
             config=dict(self.config),
             ops=list(self.world.ops),
-            message=f"{type(exc).__name__}: {exc}",
+            message=f"{type(exc).__name__}: {exc}" if not checked else str(exc),
+            identity=exc.identity if checked else "",
+            check=exc.check.name if checked else "",
+            level=exc.level if checked else "",
+            what=exc.what if checked else "",
+            final=currently_in_test_context() and current_build_context().is_final,
         )
+        type(self).last_failure = failure
+        type(self).failures[failure.identity or failure.message] = failure
 
     @property
     def model(self):
@@ -124,7 +152,12 @@ class BatchCacheMachine(RuleBasedStateMachine):
         impl = type(self).impl or load_impl()
         self.config = config
         note(f"World({impl.__module__}:{impl.__qualname__}, **{json.dumps(config)})")
-        self.world = World(impl, contract_checks=type(self).contract_checks, **config)
+        self.world = World(
+            impl,
+            contract_checks=type(self).contract_checks,
+            tolerate=type(self).tolerate,
+            **config,
+        )
         self._run(*data.draw(tqs.first_batch_ops(self.caps), label="first batch"))
 
     # -------------------------------------------------------------- writes
@@ -141,9 +174,12 @@ class BatchCacheMachine(RuleBasedStateMachine):
         if data.draw(st.booleans(), label="with attention"):
             op = data.draw(tqs.attend_op(self.world.kv_heads), label="block")
         else:
+            # Now and then a long prompt: buffers grow in 256-slot steps, and
+            # bugs of the physical end show only past the first step.
+            long = data.draw(st.integers(0, 9), label="long") == 7
             op = {
                 "op": "update",
-                "tokens": data.draw(st.integers(2, 4), label="tokens"),
+                "tokens": data.draw(st.integers(200, 300) if long else st.integers(2, 4)),
                 "kv_seed": data.draw(tqs.seeds, label="kv_seed"),
             }
         self._run(op)
@@ -154,10 +190,23 @@ class BatchCacheMachine(RuleBasedStateMachine):
         """prepare(right_padding) + block + finalize on the current batch."""
         ops = data.draw(tqs.right_padded_prefill_ops(rows=self.model.batch_size), label="ops")
         B = self.model.batch_size
-        if self._has("filter") and B > 1 and data.draw(st.booleans(), label="filter pending"):
-            # A request finishes while right padding is pending.
+        # Between the prefill and finalize, while right padding is pending: a
+        # request finishes, one is read out, the cache is saved and restored,
+        # or another batch joins. (A trim there is not a state servers make.)
+        between = ["none", "filter", "extract", "roundtrip", "extend"]
+        what = data.draw(st.sampled_from(between), label="while pending")
+        if what == "filter" and self._has("filter") and B > 1:
             keep = data.draw(tqs.filter_indices(self.model.left_padding), label="keep")
             ops.insert(-1, {"op": "filter", "indices": keep})
+        elif what == "extract" and self._has("extract"):
+            index = data.draw(st.integers(0, B - 1), label="index")
+            ops.insert(-1, {"op": "extract", "index": index})
+        elif what == "roundtrip" and self._has("roundtrip"):
+            ops.insert(-1, {"op": "roundtrip"})
+        elif what == "extend" and self._has("extend") and B < tqs.MAX_ROWS:
+            room = min(2, tqs.MAX_ROWS - B)
+            other = data.draw(tqs.other_batch_ops(self.caps, max_rows=room), label="other")
+            ops.insert(-1, {"op": "extend", "other": other})
         self._run(*ops)
 
     # -------------------------------------------------------------- reshaping
@@ -219,7 +268,13 @@ class BatchCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def bad_input(self, data):
         op = data.draw(
-            tqs.bad_input_op(self.model.batch_size, self.model.end, self.caps, self.world.seed),
+            tqs.bad_input_op(
+                self.model.batch_size,
+                self.model.end,
+                self.caps,
+                self.world.seed,
+                avoid=type(self).avoid_cases,
+            ),
             label="bad input",
         )
         self._run(op)
@@ -232,19 +287,25 @@ class BatchCacheMachine(RuleBasedStateMachine):
             return
         try:
             self.world.check()
+        except KnownFailure:
+            reject()
         except BaseException as exc:
             self._record(exc)
             raise
 
 
 def machine_for(
-    impl: type | None = None, *, contract_checks: bool = True
+    impl: type | None = None,
+    *,
+    contract_checks: bool = True,
+    tolerate: Callable[[CheckFailure], bool] | None = None,
 ) -> type[BatchCacheMachine]:
     """A ``BatchCacheMachine`` subclass bound to ``impl`` (default: ``load_impl()``).
 
     Warns ``UnsupportedOpsWarning`` naming the operations whose rules are
     skipped because the class lacks them. ``contract_checks=False`` leaves
-    out the structural checks of ``World`` (see its docstring).
+    out the structural checks of ``World`` (see its docstring); ``tolerate``
+    picks failures to run past (see ``World``).
     """
     impl = impl if impl is not None else load_impl()
     missing = missing_capabilities(impl)
@@ -261,9 +322,11 @@ def machine_for(
         {
             "impl": impl,
             "contract_checks": contract_checks,
+            "tolerate": staticmethod(tolerate) if tolerate else None,
             "op_counts": {},
             "pair_counts": {},
             "last_failure": None,
+            "failures": {},
         },
     )
 
@@ -271,11 +334,3 @@ def machine_for(
 def machine_test_case(impl: type | None = None, *, contract_checks: bool = True):
     """A ``unittest.TestCase`` running the machine against ``impl`` under the active profile."""
     return machine_for(impl, contract_checks=contract_checks).TestCase
-
-
-def failure_report(failure: Failure) -> str:
-    """Human-readable failing op sequence."""
-    return (
-        f"{failure.impl} with {json.dumps(failure.config)} failed: {failure.message}\n"
-        f"ops:\n{format_ops(failure.ops)}"
-    )

@@ -23,6 +23,7 @@ __all__ = [
     "attend_op",
     "filter_indices",
     "bad_input_op",
+    "BAD_INPUT_ERRORS",
 ]
 
 MAX_ROWS = 4
@@ -33,17 +34,27 @@ seeds = st.integers(0, 2**16)
 
 
 def configs():
-    """World configuration: bit width (integer and half), codec seed, K/V geometry."""
+    """World configuration: bit widths, codec seed, K/V geometry.
+
+    Cheap, common choices first (Hypothesis shrinks towards them); the head
+    dims models use (96, 128, 256), 2.5, 6 and 8 bits and separate key /
+    value widths after them. Per-side widths are integers: a fractional one
+    depends on the data (mlx-vlm picks its high-precision channels from the
+    first tokens), so tqbatch refuses it.
+    """
+    widths = [2.0, 3.0, 3.5, 4.0, 2.5, 6.0, 8.0]
+    side = st.sampled_from([2.0, 3.0, 4.0, 6.0, 8.0])
     return st.fixed_dictionaries(
         {
-            "bits": st.sampled_from([2.0, 3.0, 3.5, 4.0]),
+            "bits": st.sampled_from(widths),
             "seed": st.integers(0, 2),
             "kv_heads": st.sampled_from([1, 2]),
             # 80 at 3 bits packs to a width that is not a whole number of
             # coordinates: codec rebuild from packed width fails there (omlx #577),
             # so it is drawn twice as often as the others.
-            "head_dim": st.sampled_from([32, 64, 80, 80]),
-        }
+            "head_dim": st.sampled_from([32, 64, 80, 80, 96, 128, 256]),
+        },
+        optional={"key_bits": side, "value_bits": side},
     )
 
 
@@ -161,36 +172,54 @@ def filter_indices(draw, left_padding: list[int]):
 
 
 @st.composite
-def bad_input_op(draw, batch_size: int, written: int, capabilities: dict, world_seed: int):
-    """An ``expect_error`` op whose inner op the contract requires to be rejected."""
+def bad_input_op(
+    draw, batch_size: int, written: int, capabilities: dict, world_seed: int, avoid=frozenset()
+):
+    """An ``expect_error`` op whose inner op the contract requires to be rejected.
+
+    Each op names its ``case``: the identity a survey reports it under.
+    Cases in ``avoid`` are not drawn (while any other is left).
+    """
     B = batch_size
-    choices = [({"op": "update", "tokens": 1, "kv_seed": 0, "rows": B + 1}, "ValueError")]
+    choices = [("update-rows", {"op": "update", "tokens": 1, "kv_seed": 0, "rows": B + 1})]
     if written:
-        # Only once a write has fixed the head dim: an empty cache's first
-        # write may bring any head_dim.
-        choices.append(({"op": "update", "tokens": 1, "kv_seed": 0, "head_dim": 16}, "ValueError"))
+        # Only once a write has fixed the geometry: an empty cache's first
+        # write may bring any head count and head_dim.
+        choices += [
+            ("update-head-dim", {"op": "update", "tokens": 1, "kv_seed": 0, "head_dim": 16}),
+            ("update-heads", {"op": "update", "tokens": 1, "kv_seed": 0, "heads": 3}),
+        ]
     if capabilities.get("filter"):
         choices += [
-            ({"op": "filter", "indices": [B]}, "IndexError"),
-            ({"op": "filter", "indices": [0, 0]}, "ValueError"),
-            ({"op": "filter", "indices": []}, "ValueError"),
+            ("filter-out-of-range", {"op": "filter", "indices": [B]}),
+            ("filter-repeated", {"op": "filter", "indices": [0, 0]}),
+            ("filter-empty", {"op": "filter", "indices": []}),
         ]
     if capabilities.get("extract"):
-        choices.append(({"op": "extract", "index": B}, "IndexError"))
+        choices.append(("extract-out-of-range", {"op": "extract", "index": B}))
     if capabilities.get("trim"):
-        choices.append(({"op": "trim", "n": -1}, "ValueError"))
+        choices.append(("trim-negative", {"op": "trim", "n": -1}))
     if capabilities.get("prepare"):
         choices += [
-            ({"op": "prepare", "left_padding": None, "right_padding": [-1] * B}, "ValueError"),
-            ({"op": "prepare", "left_padding": [0] * (B + 1), "right_padding": None}, "ValueError"),
+            (
+                "prepare-negative-right",
+                {"op": "prepare", "left_padding": None, "right_padding": [-1] * B},
+            ),
+            (
+                "prepare-left-length",
+                {"op": "prepare", "left_padding": [0] * (B + 1), "right_padding": None},
+            ),
         ]
         if written:
             choices += [
-                ({"op": "prepare", "left_padding": [1] * B, "right_padding": None}, "ValueError"),
+                (
+                    "prepare-left-after-write",
+                    {"op": "prepare", "left_padding": [1] * B, "right_padding": None},
+                ),
                 # a valid right padding with the refused left one: nothing may stick
                 (
+                    "prepare-both-after-write",
                     {"op": "prepare", "left_padding": [1] * B, "right_padding": [1] * B},
-                    "ValueError",
                 ),
             ]
     if capabilities.get("extend"):
@@ -199,24 +228,48 @@ def bad_input_op(draw, batch_size: int, written: int, capabilities: dict, world_
             {"op": "update", "tokens": 2, "kv_seed": 1},
         ]
         choices += [
-            ({"op": "extend", "other": other}, "ValueError"),
+            ("extend-mixed-config", {"op": "extend", "other": other}),
             (
+                "extend-foreign",
                 {"op": "extend", "other": [{"op": "new", "left_padding": [0]}], "foreign": True},
-                "TypeError",
             ),
         ]
     if capabilities.get("merge"):
         choices += [
             (
+                "merge-mixed-config",
                 {"op": "merge", "lengths": [2, 3], "kv_seed": 0, "member_seeds": [0, 1]},
-                "ValueError",
             ),
-            ({"op": "merge", "lengths": [2, 1], "kv_seed": 0, "foreign": True}, "TypeError"),
+            ("merge-foreign", {"op": "merge", "lengths": [2, 1], "kv_seed": 0, "foreign": True}),
         ]
+    choices = [c for c in choices if c[0] not in avoid] or choices
     # The op kind first, then the variant: every kind of bad input is equally
     # likely, however many variants it has (a flat draw under-samples kinds
     # listed late, such as extend with a mixed configuration).
-    kinds = sorted({inner["op"] for inner, _ in choices})
+    kinds = sorted({inner["op"] for _, inner in choices})
     kind = draw(st.sampled_from(kinds))
-    inner, error = draw(st.sampled_from([c for c in choices if c[0]["op"] == kind]))
-    return {"op": "expect_error", "inner": inner, "error": error}
+    case, inner = draw(st.sampled_from([c for c in choices if c[1]["op"] == kind]))
+    return {"op": "expect_error", "inner": inner, "error": BAD_INPUT_ERRORS[case], "case": case}
+
+
+# The exception each bad-input case must raise: tqbatch's policy (README, Errors).
+# TypeError for a wrong kind of object, IndexError for an index past the batch,
+# ValueError for everything else.
+BAD_INPUT_ERRORS = {
+    "update-rows": "ValueError",
+    "update-head-dim": "ValueError",
+    "update-heads": "ValueError",
+    "filter-out-of-range": "IndexError",
+    "filter-repeated": "ValueError",
+    "filter-empty": "ValueError",
+    "extract-out-of-range": "IndexError",
+    "trim-negative": "ValueError",
+    "prepare-negative-right": "ValueError",
+    "prepare-left-length": "ValueError",
+    "prepare-left-after-write": "ValueError",
+    "prepare-both-after-write": "ValueError",
+    "extend-mixed-config": "ValueError",
+    "extend-foreign": "TypeError",
+    "merge-mixed-config": "ValueError",
+    "merge-foreign": "TypeError",
+}

@@ -1,0 +1,289 @@
+"""Property-machine campaigns: the engine behind ``tqbatch fuzz``.
+
+A campaign runs ``tqbatch.testing.stateful``'s machine against a target in
+rounds (each a Hypothesis run of a few examples under its own seed) until an
+example budget or a time budget is spent.
+
+- A plain campaign stops at the first failure and shrinks it.
+- A *survey* keeps going: every distinct failing check (``identity``:
+  check@op, see ``tqbatch.testing.checks``) is shrunk and kept with its own
+  op sequence; in later rounds, failures already kept are tolerated (the
+  example runs past them, or ends where the target has diverged), so the
+  search moves on to what else is wrong.
+
+Counts are honest: ``examples`` are the examples Hypothesis generated;
+``shrink_runs`` the test runs it spent shrinking and replaying failures; op
+counts cover generated examples only.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import Unsatisfiable
+from hypothesis.stateful import run_state_machine_as_test
+
+from tqbatch.testing.checks import CHECKS, HARNESS
+from tqbatch.testing.profiles import register_profiles
+from tqbatch.testing.stateful import UnsupportedOpsWarning, machine_for
+
+__all__ = ["ROUND_EXAMPLES", "CampaignResult", "run_campaign", "conforms"]
+
+ROUND_EXAMPLES = 5  # examples per Hypothesis run: the budgets are checked between runs
+
+
+@dataclass
+class CampaignResult:
+    """What a campaign found and what it ran.
+
+    ``failures``: dicts of ``tqbatch.testing.stateful.Failure`` (identity,
+    check, level, ops, config, message, ...), one per identity, in the order
+    found; ``tolerated`` the identities tolerated when each was found is in
+    its ``tolerated`` key. ``shards``: per-shard summaries of a ``--workers``
+    campaign.
+    """
+
+    examples: int = 0
+    shrink_runs: int = 0
+    op_counts: dict = field(default_factory=dict)
+    pair_counts: dict = field(default_factory=dict)
+    failures: list = field(default_factory=list)
+    seconds: float = 0.0
+    rounds: int = 0
+    exhausted: bool = False  # every example ended in a known failure: nothing more to find
+    shards: list = field(default_factory=list)
+
+    @property
+    def failure(self) -> dict | None:
+        """The first failure (a plain campaign has at most one)."""
+        return self.failures[0] if self.failures else None
+
+    def absorb(self, other: CampaignResult):
+        """Add a shard's result: counts add up; a failure per identity, the shortest kept."""
+        self.examples += other.examples
+        self.shrink_runs += other.shrink_runs
+        self.rounds += other.rounds
+        for name, n in other.op_counts.items():
+            self.op_counts[name] = self.op_counts.get(name, 0) + n
+        for pair, n in other.pair_counts.items():
+            self.pair_counts[pair] = self.pair_counts.get(pair, 0) + n
+        by_identity = {_key(f): i for i, f in enumerate(self.failures)}
+        for failure in other.failures:
+            i = by_identity.get(_key(failure))
+            if i is None:
+                by_identity[_key(failure)] = len(self.failures)
+                self.failures.append(failure)
+            elif len(failure["ops"]) < len(self.failures[i]["ops"]):
+                self.failures[i] = failure
+        self.seconds = max(self.seconds, other.seconds)
+        self.exhausted = self.exhausted or other.exhausted
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["pair_counts"] = {" > ".join(k): v for k, v in self.pair_counts.items()}
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> CampaignResult:
+        data = dict(data)
+        data["pair_counts"] = {tuple(k.split(" > ")): v for k, v in data["pair_counts"].items()}
+        return cls(**data)
+
+
+def conforms(result: CampaignResult) -> bool:
+    """No failure of the contract (or of the harness); policy differences allowed."""
+    return all(f.get("level") == "policy" for f in result.failures)
+
+
+def _key(failure: dict) -> str:
+    return failure.get("identity") or failure.get("message", "")
+
+
+class _Counter:
+    """Splits test runs into generated examples and shrink runs (Hypothesis observability).
+
+    Op counts of an example are added only when Hypothesis says it generated
+    it (not while shrinking). Without observability every run counts as an
+    example.
+    """
+
+    def __init__(self, result: CampaignResult, on_example):
+        self.result, self.on_example = result, on_example
+        self.pending: tuple[dict, dict] | None = None
+        self.observed = False
+
+    def example_done(self, ops: dict, pairs: dict):
+        self.pending = (ops, pairs)
+        if not self.observed:
+            self._count(generated=True)
+
+    def observe(self, case):
+        if getattr(case, "type", None) != "test_case":
+            return
+        self.observed = True
+        how = str(getattr(case, "how_generated", ""))
+        self._count(generated="generate" in how or "explicit" in how)
+
+    def _count(self, generated: bool):
+        if self.pending is None:
+            return
+        ops, pairs = self.pending
+        self.pending = None
+        if generated:
+            self.result.examples += 1
+            for name, n in ops.items():
+                self.result.op_counts[name] = self.result.op_counts.get(name, 0) + n
+            for pair, n in pairs.items():
+                self.result.pair_counts[pair] = self.result.pair_counts.get(pair, 0) + n
+        else:
+            self.result.shrink_runs += 1
+        if self.on_example:
+            self.on_example(self.result)
+
+
+def _observability():
+    try:  # an internal module of Hypothesis: counts degrade gracefully without it
+        from hypothesis.internal.observability import (
+            add_observability_callback,
+            remove_observability_callback,
+        )
+    except ImportError:  # pragma: no cover - depends on the Hypothesis version
+        return None, None
+    return add_observability_callback, remove_observability_callback
+
+
+def run_campaign(
+    impl: type,
+    *,
+    examples: int | None = None,
+    minutes: float | None = None,
+    profile: str = "nightly",
+    seed: int = 0,
+    survey: bool = False,
+    contract_checks: bool = True,
+    on_example: Callable[[CampaignResult], None] | None = None,
+) -> CampaignResult:
+    """Run the machine against ``impl`` until ``examples`` or ``minutes`` is spent.
+
+    A plain campaign stops at its first failure; a survey (``survey=True``)
+    keeps every distinct failing check, each shrunk, and stops early only
+    when every example ends in a failure it already has (``exhausted``).
+    """
+    if examples is None and minutes is None:
+        raise ValueError("run_campaign needs an example budget or a time budget")
+    register_profiles()
+    base = settings.get_profile(profile)
+    result = CampaignResult()
+    known: dict[str, dict] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnsupportedOpsWarning)
+        machine = machine_for(
+            impl,
+            contract_checks=contract_checks,
+            tolerate=(lambda failure: failure.identity in known) if survey else None,
+        )
+    counter = _Counter(result, on_example)
+
+    class Counting(machine):
+        def __init__(self):
+            super().__init__()
+            self._ops: dict = {}
+            self._pairs: dict = {}
+            self._before = (dict(type(self).op_counts), dict(type(self).pair_counts))
+
+        def teardown(self):
+            ops_before, pairs_before = self._before
+            ops = {k: v - ops_before.get(k, 0) for k, v in type(self).op_counts.items()}
+            pairs = {k: v - pairs_before.get(k, 0) for k, v in type(self).pair_counts.items()}
+            counter.example_done(
+                {k: v for k, v in ops.items() if v}, {k: v for k, v in pairs.items() if v}
+            )
+
+    add, remove = _observability()
+    if add is not None:
+        add(counter.observe)
+    start = time.monotonic()
+    deadline = start + minutes * 60 if minutes else None
+    try:
+        while True:
+            if examples is not None and result.examples >= examples:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            left = ROUND_EXAMPLES if examples is None else examples - result.examples
+            round_settings = settings(
+                base,
+                max_examples=min(ROUND_EXAMPLES, left),
+                derandomize=False,
+                database=None,
+                phases=[Phase.generate, Phase.shrink],
+                report_multiple_bugs=survey,
+                # A survey ends examples at known failures (a rejection).
+                suppress_health_check=list(HealthCheck),
+            )
+            hypothesis_seed(seed * 1_000_003 + result.rounds)(Counting)
+            result.rounds += 1
+            Counting.failures.clear()
+            Counting.last_failure = None
+            try:
+                run_state_machine_as_test(Counting, settings=round_settings)
+            except Unsatisfiable:
+                result.exhausted = True  # every example hit a known, diverging failure
+                break
+            except Exception as exc:  # noqa: BLE001 - whatever the run raised is reported
+                found = _found(Counting, exc, sorted(known))
+                for failure in found:
+                    known[_key(failure)] = failure
+                    result.failures.append(failure)
+                Counting.avoid_cases = frozenset(_diverging_cases(known))
+                crashed = any(not f["identity"] for f in found)
+                if not survey or crashed or not found:
+                    break  # plain: the first failure; survey: the harness itself failed
+    finally:
+        if remove is not None:
+            remove(counter.observe)
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def _diverging_cases(known: dict) -> set[str]:
+    """Bad-input cases whose known failure ends an example (accepted, or changed the cache)."""
+    cases = set()
+    for identity, failure in known.items():
+        check = CHECKS.get(failure.get("check", ""))
+        if check is not None and check.diverged and "@" in identity:
+            cases.add(identity.split("@", 1)[1])
+    return cases
+
+
+def _found(machine, exc: BaseException, tolerated: list[str]) -> list[dict]:
+    """The failures a round raised, each as its final (shrunk) record."""
+    recorded = list(machine.failures.values())
+    final = [f for f in recorded if f.final] or recorded
+    if not final:
+        # Nothing recorded: the machine itself broke (e.g. a strategy error).
+        return [
+            {
+                "impl": "",
+                "config": {},
+                "ops": [],
+                "message": f"{type(exc).__name__}: {exc}",
+                "identity": "",
+                "check": "",
+                "level": HARNESS,
+                "final": False,
+                "tolerated": tolerated,
+            }
+        ]
+    out = []
+    for failure in final:
+        record = asdict(failure)
+        record["level"] = record["level"] or HARNESS
+        record["tolerated"] = tolerated
+        out.append(record)
+    return out

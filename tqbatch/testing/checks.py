@@ -1,0 +1,180 @@
+"""The checks of the op executor, each with its own identity and level.
+
+A failing check raises a ``CheckFailure``: an ``AssertionError`` whose class is
+distinct for every *identity* (check name plus the op, or bad-input case, it
+fired on). Hypothesis tells bugs apart by exception class and raise site, so
+a campaign that keeps going after a failure (``tqbatch fuzz --survey``)
+shrinks and reports each identity as its own bug, and a mutant of the
+self-test counts as caught only by the check it names.
+
+Levels:
+
+``contract``
+    Geometry and numerics: lockstep with mlx-lm's ``BatchKVCache``, masks,
+    the physical written end, content and attention against the references.
+    A cache that fails one does not conform.
+``policy``
+    Input validation: which bad inputs must raise, and with which exception
+    type. A cache with another (legal) policy is reported as differing, not as
+    non-conforming. A rejected op that *changes* the cache is a contract
+    failure (``unchanged``): the caller is left with a cache it did not ask for.
+``harness``
+    The oracles disagree with each other: a bug in tqbatch.testing.
+
+``diverged`` says whether the target's state can still be compared with the
+oracles after the check failed: a wrong ``size()`` is an observation, a
+wrong ``offset`` means every later write lands elsewhere. A survey keeps
+running past a known failure only where it has not diverged.
+
+``per_op`` says whether the op belongs to the identity. A mask that is wrong
+after ``filter`` and one wrong after ``merge`` are two bugs; an ``_idx``
+attribute or a ``size()`` of the wrong type is one standing property of the
+cache, seen after every op, and one identity.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+__all__ = [
+    "CHECKS",
+    "CONTRACT",
+    "HARNESS",
+    "POLICY",
+    "Check",
+    "CheckFailure",
+    "KnownFailure",
+    "failure",
+    "identity",
+]
+
+CONTRACT, POLICY, HARNESS = "contract", "policy", "harness"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check of ``tqbatch.testing.ops.World``."""
+
+    name: str
+    level: str
+    diverged: bool
+    what: str
+    per_op: bool = True
+
+
+CHECKS: dict[str, Check] = {
+    c.name: c
+    for c in (
+        Check("raises", CONTRACT, True, "a legal op completes without raising"),
+        Check("read", CONTRACT, True, "size(), make_mask() and dequantize() can be called"),
+        Check("structure", CONTRACT, False, "no `_idx` attribute beside packed keys", False),
+        Check("offset", CONTRACT, True, "offset equals BatchKVCache's"),
+        Check("left_padding", CONTRACT, True, "left_padding equals BatchKVCache's"),
+        Check("size_type", CONTRACT, False, "size() returns a Python int", False),
+        Check("size", CONTRACT, False, "size() equals BatchKVCache's written end", False),
+        Check(
+            "mask_form", CONTRACT, False, "make_mask(N, return_array=True) is a bool array", False
+        ),
+        Check("mask_shape", CONTRACT, False, "make_mask's shape equals BatchKVCache's"),
+        Check("mask_values", CONTRACT, False, "make_mask's entries equal BatchKVCache's"),
+        Check(
+            "default_mask",
+            CONTRACT,
+            False,
+            "make_mask(N) as models call it masks what BatchKVCache's masks",
+        ),
+        Check("written_end", CONTRACT, True, "dequantize() spans exactly the written end"),
+        Check("content", CONTRACT, True, "each row's K/V equal its per-request reference"),
+        Check("extract_length", CONTRACT, False, "extract(i) holds the request's token count"),
+        Check("extract_content", CONTRACT, False, "extract(i) holds the request's K/V"),
+        Check("trim_count", CONTRACT, False, "trim(n) returns the number of tokens trimmed"),
+        Check(
+            "attention",
+            CONTRACT,
+            False,
+            "attention equals per-request attention over the TurboQuant reference",
+        ),
+        Check(
+            "fp_attention",
+            CONTRACT,
+            False,
+            "attention is within the measured TurboQuant bound of full precision",
+        ),
+        Check("unchanged", CONTRACT, True, "a rejected op leaves the cache exactly as it was"),
+        Check("rejects", POLICY, True, "bad input is rejected"),
+        Check("error_type", POLICY, False, "bad input is rejected with the documented type"),
+        Check("harness", HARNESS, True, "the numpy model and BatchKVCache agree"),
+    )
+}
+
+
+def identity(check: str, where: str | None) -> str:
+    """``check@where``: what failed, and on which op (or bad-input case); ``check`` alone
+    for a check that is not per op."""
+    return f"{check}@{where}" if where else check
+
+
+class CheckFailure(AssertionError):
+    """A check of ``CHECKS`` failed after ``op``; ``str()`` is the message."""
+
+    check: Check
+    where: str | None
+
+    def __init__(self, message: str, what: str = ""):
+        super().__init__(message)
+        self.what = what or message
+
+    @property
+    def identity(self) -> str:
+        return identity(self.check.name, self.where)
+
+    @property
+    def level(self) -> str:
+        return self.check.level
+
+
+class KnownFailure(Exception):
+    """A tolerated check failed where the target's state has diverged: stop here.
+
+    Raised by ``World`` in place of a ``CheckFailure`` it was told to
+    tolerate (a survey's already-reported failures); the state machine ends
+    the example without reporting it.
+    """
+
+    def __init__(self, failure: CheckFailure):
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+_CLASSES: dict[str, type[CheckFailure]] = {}
+
+
+def _class_for(check: Check, where: str | None) -> type[CheckFailure]:
+    key = identity(check.name, where)
+    cls = _CLASSES.get(key)
+    if cls is None:
+        # One class per identity: Hypothesis's InterestingOrigin includes the
+        # exception type, so distinct identities are distinct bugs to it.
+        label = "".join(part.title() for part in f"{check.name}_{where or ''}".split("_") if part)
+        label = "".join(ch for ch in label if ch.isalnum())
+        cls = type(f"{label}Failure", (CheckFailure,), {"check": check, "where": where})
+        cls.__module__ = __name__
+        _CLASSES[key] = cls
+    return cls
+
+
+def where_of(op: dict | None) -> str:
+    """The op part of an identity: the op's name, a bad input's ``case``, or ``start``."""
+    if not op:
+        return "start"
+    if op.get("op") == "expect_error":
+        return op.get("case") or f"bad {op['inner']['op']}"
+    return str(op.get("op"))
+
+
+def failure(check: str, op: dict | None, what: str) -> CheckFailure:
+    """The ``CheckFailure`` of ``check`` after ``op``, with the usual message."""
+    spec = CHECKS[check]
+    cls = _class_for(spec, where_of(op) if spec.per_op else None)
+    return cls(f"[{spec.name}] after {json.dumps(op) if op else 'start'}: {what}", what)
