@@ -572,18 +572,20 @@ class World:
         # A restored copy must share no array with its donor: write poison
         # into the donor; check() then compares the fresh copy with the oracles.
         # Trimmed by one first where it can be, so that the first poison token
-        # lands in a slot the copy holds (past the end it would be invisible);
-        # two tokens, so that an offset shared with the copy moves too.
+        # lands in a slot the copy holds (past the end it would be invisible),
+        # then a second one, so that an offset shared with the copy moves too.
+        # One token per write: the first must fit the buffer the copy may
+        # share (a longer write would grow the donor into new arrays).
         if not donor.empty():
             B = self.model.batch_size
             pending = self.model.right_padding is not None  # trim waits for finalize
             if self.capabilities["trim"] and min(self.model.offsets) >= 1 and not pending:
                 donor.trim(1)
             rng = np.random.default_rng(12345)
-            poison = (rng.standard_normal((B, self.kv_heads, 2, self.head_dim)) * POISON).astype(
-                np.float32
-            )
-            donor.update_and_fetch(mx.array(poison), mx.array(poison))
+            for _ in range(2):
+                poison = rng.standard_normal((B, self.kv_heads, 1, self.head_dim)) * POISON
+                poison = mx.array(poison.astype(np.float32))
+                donor.update_and_fetch(poison, poison)
         return fresh
 
     def _roundtrip_oracles(self, op, fresh):
@@ -616,12 +618,7 @@ class World:
         after = self._read_snapshot(op)
         for key in before:
             a, b = before[key], after[key]
-            same = (
-                np.array_equal(a, b, equal_nan=True)
-                if isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
-                else a == b
-            )
-            if not same:
+            if not _same(a, b):
                 self._report(
                     "unchanged", op, f"the rejected op changed the target's {key}: {a!r} -> {b!r}"
                 )
@@ -644,7 +641,14 @@ class World:
             "offset": _ints(t.offset),
             "left_padding": _ints(t.left_padding),
             "size": _ints(t.size()),
-            "mask": to_numpy(t.make_mask(2, return_array=True)),
+            "masks": [
+                to_numpy(t.make_mask(n, return_array=True, window_size=window))
+                for n, window in MASK_CHECKS
+            ],
+            "default masks": [
+                repr(m) if not isinstance(m, mx.array) else to_numpy(m).tolist()
+                for m in (t.make_mask(n, window_size=window) for n, window in MASK_CHECKS)
+            ],
             "pending right padding": None if pending is None else _ints(pending),
             "configuration": tuple(
                 getattr(t, name, None) for name in ("bits", "key_bits", "value_bits", "seed")
@@ -824,6 +828,15 @@ class World:
                         f"row {b} (request {rid}) dequantized {name} differ from the per-request "
                         f"TurboQuant reference by {excess} at token(s) {bad.tolist()[:8]}",
                     )
+
+
+def _same(a, b) -> bool:
+    """Equality of snapshot entries: arrays element-wise (NaN equal), lists item by item."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def _excess(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> str | None:

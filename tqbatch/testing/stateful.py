@@ -176,7 +176,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
         else:
             # Now and then a long prompt: buffers grow in 256-slot steps, and
             # bugs of the physical end show only past the first step.
-            long = data.draw(st.integers(0, 9), label="long") == 7
+            long = data.draw(st.integers(0, 39), label="long") == 27
             op = {
                 "op": "update",
                 "tokens": data.draw(st.integers(200, 300) if long else st.integers(2, 4)),
@@ -284,6 +284,11 @@ class BatchCacheMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         if self.world is None:
+            return
+        if self.world.ops and self.world.ops[-1]["op"] == "expect_error":
+            # The op was rejected and its snapshot (geometry, every checked
+            # mask, content, codecs) proved the target unchanged since the
+            # last check: checking again would only repeat it.
             return
         try:
             self.world.check()

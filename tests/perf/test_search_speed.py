@@ -1,0 +1,46 @@
+"""How fast the state machine finds each mutant, by the check the mutant names.
+
+Under the ``ci`` profile (derandomized: the same examples on every run), per
+mutant: seconds and examples until its check first fails, and seconds to
+shrink that failure. Reported through pytest-benchmark (one round: the search
+is deterministic) and as test properties; the goals (first report: median
+<= 10 s, worst <= 60 s; a failure of <= 5 ops shrunk within 30 s, on 2
+cores) are read from the report, never asserted on time. What is asserted is
+structural: the mutant is found, by its own check.
+
+The default run hunts a few mutants; ``TQBATCH_PERF=full`` (nox ``perf``)
+hunts the whole catalogue. ``python -m tqbatch.testing.selftest --markdown``
+prints the README's table.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tqbatch import bench
+from tqbatch.testing.mutants import MUTANTS
+from tqbatch.testing.selftest import hunt
+
+# One of each kind of check in the default run: geometry after a filter, a
+# rejected op that half-applies, content after a state round trip.
+SMALL = ["FilterWithoutCompaction", "PrepareHalfApplies", "RoundtripAliasesDonor"]
+FULL = bench.selected_parameter_set() is bench.FULL
+NAMES = sorted(MUTANTS) if FULL else SMALL
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_time_to_first_report(benchmark, name, record_property):
+    benchmark.group = "search: first report (ci profile)"
+    result = benchmark.pedantic(hunt, args=(name,), rounds=1, iterations=1)
+    assert result.found, f"{name}: {result.failure}"
+    benchmark.extra_info.update(examples=result.examples, check=result.check)
+    record_property("first report", f"{result.seconds:.1f} s, {result.examples} examples")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_time_to_shrunk_report(benchmark, name, record_property):
+    benchmark.group = "search: first report, shrunk (ci profile)"
+    result = benchmark.pedantic(hunt, args=(name,), kwargs={"shrink": True}, rounds=1)
+    assert result.found, f"{name}: {result.failure}"
+    benchmark.extra_info.update(shrunk_ops=len(result.failure.ops), check=result.check)
+    record_property("shrunk", f"{result.seconds:.1f} s to {len(result.failure.ops)} ops")

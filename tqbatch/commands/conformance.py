@@ -1,0 +1,130 @@
+"""``tqbatch conformance``: survey several caches and tabulate their distinct failures.
+
+Each target gets a survey (``tqbatch.testing.campaign``, ``--survey`` of
+``tqbatch fuzz``) with the same budget and seed, under the derandomization
+of a fixed seed: the table is the same on every run. By default the targets
+are mlx-vlm's ``BatchTurboQuantKVCache``, tqbatch's cache and the mutants
+that reintroduce the omlx seed's defects (the package cannot ship omlx's
+code). ``--markdown`` prints the README's conformance table.
+"""
+
+from __future__ import annotations
+
+import sys
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+# Short names for the targets the README compares.
+ALIASES = {
+    "tqbatch": "tqbatch.cache:BatchTurboQuantKVCache",
+    "mlx-vlm": "mlx_vlm.turboquant:BatchTurboQuantKVCache",
+}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "conformance",
+        help="survey caches and tabulate every distinct failure (the README's table)",
+        description=(
+            "Survey each target (as `tqbatch fuzz --survey`) with one budget and seed and "
+            "list its distinct failures by level. Exit 1 if tqbatch's own cache fails."
+        ),
+    )
+    parser.add_argument(
+        "targets",
+        nargs="*",
+        metavar="TARGET",
+        help="module:Class, 'tqbatch' or 'mlx-vlm' (default: mlx-vlm, tqbatch, the seed's "
+        "defects as mutants)",
+    )
+    parser.add_argument("--examples", type=int, default=60, help="examples per target")
+    parser.add_argument("--seed", type=int, default=0, help="survey seed (default 0)")
+    parser.add_argument("--profile", default="ci", help="Hypothesis profile (default: ci)")
+    parser.add_argument("--out", default=None, help="also save each failure as a scenario here")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.set_defaults(func=run)
+
+
+def _default_targets() -> list[str]:
+    from tqbatch.testing.mutants import SEED_DEFECTS, import_path
+
+    return ["mlx-vlm", "tqbatch", *(import_path(name) for name in SEED_DEFECTS)]
+
+
+def run(args) -> int:
+    from tqbatch.testing.campaign import conforms, run_campaign
+    from tqbatch.testing.impl import ImplSpecError, load_impl
+
+    targets = args.targets or _default_targets()
+    try:
+        impls = [load_impl(ALIASES.get(t, t)) for t in targets]
+    except ImplSpecError as exc:
+        print(f"tqbatch conformance: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    rows, own_ok = [], True
+    for name, impl in zip(targets, impls):
+        result = run_campaign(
+            impl, examples=args.examples, profile=args.profile, seed=args.seed, survey=True
+        )
+        if args.out:
+            _save(result, impl, args)
+        contract = [
+            f["identity"] or f["message"] for f in result.failures if f["level"] != "policy"
+        ]
+        policy = [f["identity"] for f in result.failures if f["level"] == "policy"]
+        rows.append((name, conforms(result), contract, policy, result.examples))
+        if ALIASES.get(name, name) == ALIASES["tqbatch"]:
+            own_ok = conforms(result) and not policy
+        if not args.markdown:
+            print(_line(rows[-1]), flush=True)
+    if args.markdown:
+        print(
+            f"| target | conforms | contract failures | policy differences |  <!-- {args.examples} "
+            f"examples, seed {args.seed}, profile {args.profile} -->"
+        )
+        print("|---|---|---|---|")
+        for name, ok, contract, policy, _ in rows:
+            print(
+                f"| `{name.rsplit(':', 1)[-1] if ':' in name else name}` | {'yes' if ok else 'no'} "
+                f"| {_cell(contract)} | {_cell(policy)} |"
+            )
+    return EXIT_OK if own_ok else EXIT_FAILED
+
+
+def _cell(identities: list[str]) -> str:
+    return f"{len(identities)}: " + ", ".join(f"`{i}`" for i in identities) if identities else "-"
+
+
+def _line(row) -> str:
+    name, ok, contract, policy, examples = row
+    verdict = "conforms" if ok else "does not conform"
+    return (
+        f"{name}: {verdict} ({examples} examples); contract failures {len(contract)}"
+        + "".join(f"\n    {i}" for i in contract)
+        + f"; policy differences {len(policy)}"
+        + "".join(f"\n    {i}" for i in policy)
+    )
+
+
+def _save(result, impl, args) -> None:
+    from tqbatch.testing.scenario import write_failure
+
+    target = f"{impl.__module__}:{impl.__qualname__}"
+    for failure in result.failures:
+        if failure["ops"]:
+            write_failure(
+                failure["ops"],
+                failure["config"],
+                args.out,
+                error=failure["message"],
+                backend=args.backend,
+                options={
+                    "impl": target,
+                    "survey": True,
+                    "examples": args.examples,
+                    "seed": args.seed,
+                    "profile": args.profile,
+                },
+                identity=failure["identity"] or None,
+                tolerated=failure["tolerated"],
+            )
