@@ -58,7 +58,13 @@ def pytest_addoption(parser):
     )
 
 
+@pytest.hookimpl(trylast=True)  # after Hypothesis's plugin has loaded --hypothesis-profile
 def pytest_configure(config):
+    if config.getoption("--hypothesis-seed", None) is not None and settings.default.derandomize:
+        # A derandomized profile (ci) ignores --hypothesis-seed: asking for a
+        # seed means asking for that seed's examples, so derandomize is dropped.
+        settings.register_profile("seeded", settings(settings.default, derandomize=False))
+        settings.load_profile("seeded")
     impl = config.getoption("--impl")
     if impl:
         # One source of truth for the target: the harness reads TQBATCH_IMPL.

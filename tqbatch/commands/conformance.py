@@ -75,8 +75,7 @@ def run(args) -> int:
         rows.append((name, conforms(result), contract, policy, result.examples))
         if ALIASES.get(name, name) == ALIASES["tqbatch"]:
             own_ok = conforms(result) and not policy
-        if not args.markdown:
-            print(_line(rows[-1]), flush=True)
+        print(_line(rows[-1]), file=sys.stderr if args.markdown else sys.stdout, flush=True)
     if args.markdown:
         print(
             f"| target | conforms | contract failures | policy differences |  <!-- {args.examples} "

@@ -14,27 +14,68 @@ example budget or a time budget is spent.
 Counts are honest: ``examples`` are the examples Hypothesis generated;
 ``shrink_runs`` the test runs it spent shrinking and replaying failures; op
 counts cover generated examples only.
+
+Shrinking is bounded: each round shrinks for at most ``shrink_seconds``
+(Hypothesis's own bound is 300 s, an engine constant lowered here for the
+round); a failure not yet minimal by then is reported as far as it got.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import Unsatisfiable
+from hypothesis.reporting import current_reporter, with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
 from tqbatch.testing.checks import CHECKS, HARNESS
 from tqbatch.testing.profiles import register_profiles
 from tqbatch.testing.stateful import UnsupportedOpsWarning, machine_for
 
-__all__ = ["ROUND_EXAMPLES", "CampaignResult", "run_campaign", "conforms"]
+__all__ = [
+    "ROUND_EXAMPLES",
+    "SHRINK_SECONDS",
+    "CampaignResult",
+    "conforms",
+    "run_campaign",
+    "shrink_deadline",
+]
 
 ROUND_EXAMPLES = 5  # examples per Hypothesis run: the budgets are checked between runs
+SHRINK_SECONDS = 30.0  # per round; a failure of a few ops is minimal well before this
+
+
+@contextlib.contextmanager
+def shrink_deadline(seconds: float | None) -> Iterator[None]:
+    """Bound Hypothesis's shrinking to ``seconds`` per run (None: its own 300 s)."""
+    try:  # an engine constant, read when shrinking starts
+        from hypothesis.internal.conjecture import engine
+    except ImportError:  # pragma: no cover - depends on the Hypothesis version
+        yield
+        return
+    saved = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    if seconds is None or saved is None:
+        yield
+        return
+    engine.MAX_SHRINKING_SECONDS = seconds
+    previous = current_reporter()
+
+    def reporter(text):
+        # Hypothesis's note for its own deadline says "five minutes": not ours.
+        if not str(text).startswith("WARNING: Hypothesis has spent more than five minutes"):
+            previous(text)
+
+    try:
+        with with_reporter(reporter):
+            yield
+    finally:
+        engine.MAX_SHRINKING_SECONDS = saved
 
 
 @dataclass
@@ -167,6 +208,7 @@ def run_campaign(
     survey: bool = False,
     contract_checks: bool = True,
     on_example: Callable[[CampaignResult], None] | None = None,
+    shrink_seconds: float | None = SHRINK_SECONDS,
 ) -> CampaignResult:
     """Run the machine against ``impl`` until ``examples`` or ``minutes`` is spent.
 
@@ -231,7 +273,8 @@ def run_campaign(
             Counting.failures.clear()
             Counting.last_failure = None
             try:
-                run_state_machine_as_test(Counting, settings=round_settings)
+                with shrink_deadline(shrink_seconds):
+                    run_state_machine_as_test(Counting, settings=round_settings)
             except Unsatisfiable:
                 result.exhausted = True  # every example hit a known, diverging failure
                 break

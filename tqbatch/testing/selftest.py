@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass
 
 from hypothesis import Phase, settings
 
+from tqbatch.testing.campaign import SHRINK_SECONDS, shrink_deadline
 from tqbatch.testing.mutants import CATCHES, MUTANTS
 from tqbatch.testing.profiles import PROFILES
 from tqbatch.testing.stateful import Failure, UnsupportedOpsWarning, machine_for
@@ -71,7 +73,8 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
     )
     start = time.perf_counter()
     try:
-        Counting.TestCase("runTest").runTest()
+        with shrink_deadline(SHRINK_SECONDS):  # as tqbatch fuzz shrinks
+            Counting.TestCase("runTest").runTest()
     except AssertionError:
         pass  # the machine recorded what failed
     seconds = time.perf_counter() - start
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
                 str(len(shrunk.failure.ops)) if shrunk and shrunk.found else "-",
             )
         )
-        print(" | ".join(rows[-1]), flush=True) if not args.markdown else None
+        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)  # progress
     head = ("mutant", "caught by", "first report (s)", "examples", "shrinking (s)", "shrunk ops")
     if args.markdown:
         print("| " + " | ".join(head) + " |")

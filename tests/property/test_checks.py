@@ -1,0 +1,161 @@
+"""Every check of tqbatch.testing.checks can fail, and fails under its own identity.
+
+For each check: a purpose-built broken cache (or, for the harness's own
+cross-check, a corrupted oracle) and the shortest op sequence that shows it;
+the failure must carry that check's name. The mutant catalogue
+(``tqbatch.testing.mutants.CATCHES``) covers the rest; a check covered by
+neither fails ``test_every_check_is_shown_failing``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import tqbatch
+from tqbatch.testing import ops as ops_module
+from tqbatch.testing.checks import CHECKS, CheckFailure, KnownFailure, failure
+from tqbatch.testing.mutants import CATCHES
+from tqbatch.testing.ops import World
+
+Base = tqbatch.BatchTurboQuantKVCache
+PREFILL = [
+    {"op": "merge", "lengths": [3, 5], "kv_seed": 1},
+    {"op": "update", "tokens": 2, "kv_seed": 2},
+]
+DECODE = {"op": "attend", "queries": 1, "q_heads": 4, "q_seed": 3}
+
+
+class MaskRaises(Base):
+    def make_mask(self, N, return_array=False, window_size=None, **kwargs):
+        raise RuntimeError("no mask today")
+
+
+class FloatMask(Base):
+    def make_mask(self, N, return_array=False, window_size=None, **kwargs):
+        mask = super().make_mask(N, return_array=True, window_size=window_size)
+        return mask.astype(mx.float32)
+
+
+class WideMask(Base):
+    def make_mask(self, N, return_array=False, window_size=None, **kwargs):
+        mask = super().make_mask(N, return_array=True, window_size=window_size)
+        return mx.concatenate([mx.zeros_like(mask[..., :1]), mask], axis=-1)
+
+
+class ExtractSwapsKeysAndValues(Base):
+    def extract(self, idx):
+        single = super().extract(idx)
+        single.keys, single.values = single.values, single.keys
+        return single
+
+
+class TrimMiscounts(Base):
+    def trim(self, n):
+        return super().trim(n) + 1
+
+
+class AttentionScaled(Base):
+    """Attention through the cache's own path comes out 2% too large."""
+
+    def decode_attention(self, *args, **kwargs):
+        return super().decode_attention(*args, **kwargs) * 1.02
+
+    def prefill_attention(self, *args, **kwargs):
+        return super().prefill_attention(*args, **kwargs) * 1.02
+
+
+class FilterEmptyIsTypeError(Base):
+    def filter(self, batch_indices):
+        if len(list(batch_indices)) == 0:
+            raise TypeError("no rows")
+        return super().filter(batch_indices)
+
+
+def _bad(case, inner, error):
+    return {"op": "expect_error", "inner": inner, "error": error, "case": case}
+
+
+def _corrupt_model(world):
+    world.model.rows[0].left_padding += 1  # the numpy model now disagrees with BatchKVCache
+
+
+def _tiny_fp_bound(monkeypatch):
+    # Shown live by a bound no codec can meet: the check compares and fails.
+    monkeypatch.setattr(ops_module, "fp_attention_bound", lambda kb, vb: 1e-9)
+
+
+# check -> (cache class, ops, prepare(world) or None, patch(monkeypatch) or None)
+SHOWN = {
+    "read": (MaskRaises, PREFILL, None, None),
+    "mask_form": (FloatMask, PREFILL, None, None),
+    "mask_shape": (WideMask, PREFILL, None, None),
+    "extract_content": (
+        ExtractSwapsKeysAndValues,
+        [*PREFILL, {"op": "extract", "index": 1}],
+        None,
+        None,
+    ),
+    "trim_count": (TrimMiscounts, [*PREFILL, {"op": "trim", "n": 1}], None, None),
+    "attention": (AttentionScaled, [*PREFILL, DECODE], None, None),
+    "fp_attention": (Base, [*PREFILL, DECODE], None, _tiny_fp_bound),
+    "error_type": (
+        FilterEmptyIsTypeError,
+        [*PREFILL, _bad("filter-empty", {"op": "filter", "indices": []}, "ValueError")],
+        None,
+        None,
+    ),
+    "harness": (Base, PREFILL, _corrupt_model, None),
+}
+
+
+def _run(cls, ops, prepare=None, **kwargs):
+    world = World(cls, bits=4.0, seed=0, kv_heads=2, head_dim=64, **kwargs)
+    for op in ops:
+        world.apply(op)
+        if prepare is not None and op is ops[-1]:
+            prepare(world)
+        world.check()
+    return world
+
+
+@pytest.mark.parametrize("check", sorted(SHOWN))
+def test_check_fails_under_its_own_name(check, monkeypatch):
+    cls, ops, prepare, patch = SHOWN[check]
+    if patch is not None:
+        patch(monkeypatch)
+    with pytest.raises(CheckFailure) as info:
+        _run(cls, ops, prepare)
+    assert info.value.check.name == check, str(info.value)
+    # The correct cache passes the same ops (the broken part is what failed).
+    if patch is None and prepare is None:
+        _run(Base, ops)
+
+
+def test_every_check_is_shown_failing():
+    shown = set(SHOWN) | set(CATCHES.values())
+    assert shown == set(CHECKS), f"no failing example for {sorted(set(CHECKS) - shown)}"
+
+
+def test_identities_are_distinct_classes_per_op_and_case():
+    after_filter = failure("mask_values", {"op": "filter", "indices": [0]}, "x")
+    after_merge = failure("mask_values", {"op": "merge", "lengths": [1], "kv_seed": 0}, "x")
+    again = failure("mask_values", {"op": "filter", "indices": [1]}, "y")
+    assert after_filter.identity == "mask_values@filter" and type(after_filter) is type(again)
+    assert type(after_filter) is not type(after_merge)
+    # A standing property of the cache is one identity, whatever the op.
+    assert failure("size", {"op": "filter"}, "x").identity == "size"
+    bad = _bad("filter-empty", {"op": "filter", "indices": []}, "ValueError")
+    assert failure("rejects", bad, "x").identity == "rejects@filter-empty"
+
+
+def test_tolerated_failures_run_on_or_stop_where_diverged():
+    # A non-diverging check (the mask) is noted and the run goes on...
+    world = _run(WideMask, PREFILL, tolerate=lambda f: True)
+    assert {f.check.name for f in world.tolerated} == {"mask_shape", "default_mask"}
+    assert len(world.ops) == len(PREFILL)
+    # ...a diverging one (an accepted bad input) ends it.
+    world = World(Base, bits=4.0, seed=0, kv_heads=2, head_dim=64, tolerate=lambda f: True)
+    world.apply(PREFILL[0])
+    with pytest.raises(KnownFailure):
+        world.apply(_bad("filter-in-range", {"op": "filter", "indices": [0]}, "IndexError"))
