@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import tqbatch
-from tqbatch.testing.campaign import CampaignResult, conforms, run_campaign
+from tqbatch.testing.campaign import CampaignResult, conforms, run_campaign, survey_test_case
 from tqbatch.testing.mutants import ExtractDropsLastToken, FilterWithoutCompaction
 from tqbatch.testing.scenario import replay, write_failure
 
@@ -99,3 +99,10 @@ def test_shards_keep_every_failure_and_the_shortest_repro():
         ("c@trim", 4),
     ]
     assert total.examples == 6
+
+
+def test_survey_test_case_lists_every_failure():
+    case = survey_test_case(FilterAndExtractBugs, examples=15)("runTest")
+    with pytest.raises(AssertionError) as info:
+        case.runTest()
+    assert "left_padding@filter" in str(info.value) and "distinct failures" in str(info.value)

@@ -15,9 +15,11 @@ Counts are honest: ``examples`` are the examples Hypothesis generated;
 ``shrink_runs`` the test runs it spent shrinking and replaying failures; op
 counts cover generated examples only.
 
-Shrinking is bounded: each round shrinks for at most ``shrink_seconds``
-(Hypothesis's own bound is 300 s, an engine constant lowered here for the
-round); a failure not yet minimal by then is reported as far as it got.
+Shrinking is bounded, in two stages: Hypothesis shrinks each round for at
+most a third of ``shrink_seconds`` (its own bound is 300 s, an engine
+constant lowered here for the round), then ``tqbatch.testing.minimize``
+drops single ops from each failure for at most the rest. A failure not yet
+minimal by then is reported as far as it got.
 """
 
 from __future__ import annotations
@@ -35,20 +37,27 @@ from hypothesis.reporting import current_reporter, with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
 from tqbatch.testing.checks import CHECKS, HARNESS
+from tqbatch.testing.minimize import minimize
 from tqbatch.testing.profiles import register_profiles
 from tqbatch.testing.stateful import UnsupportedOpsWarning, machine_for
 
 __all__ = [
     "ROUND_EXAMPLES",
+    "HYPOTHESIS_SHARE",
     "SHRINK_SECONDS",
     "CampaignResult",
     "conforms",
     "run_campaign",
     "shrink_deadline",
+    "survey_test_case",
 ]
 
 ROUND_EXAMPLES = 5  # examples per Hypothesis run: the budgets are checked between runs
-SHRINK_SECONDS = 30.0  # per round; a failure of a few ops is minimal well before this
+# Per failure: Hypothesis's shrinker is thorough but needs hundreds of runs
+# (~1 s each at 30 steps on 2 cores); the op-level pass after it needs one
+# replay per op. Measured on the mutant catalogue: README, "Suite strength".
+SHRINK_SECONDS = 30.0
+HYPOTHESIS_SHARE = 1 / 3
 
 
 @contextlib.contextmanager
@@ -273,13 +282,15 @@ def run_campaign(
             Counting.failures.clear()
             Counting.last_failure = None
             try:
-                with shrink_deadline(shrink_seconds):
+                with shrink_deadline(shrink_seconds and shrink_seconds * HYPOTHESIS_SHARE):
                     run_state_machine_as_test(Counting, settings=round_settings)
             except Unsatisfiable:
                 result.exhausted = True  # every example hit a known, diverging failure
                 break
             except Exception as exc:  # noqa: BLE001 - whatever the run raised is reported
                 found = _found(Counting, exc, sorted(known))
+                for failure in found:
+                    _minimize(impl, failure, contract_checks, shrink_seconds)
                 for failure in found:
                     known[_key(failure)] = failure
                     result.failures.append(failure)
@@ -302,6 +313,24 @@ def _diverging_cases(known: dict) -> set[str]:
         if check is not None and check.diverged and "@" in identity:
             cases.add(identity.split("@", 1)[1])
     return cases
+
+
+def _minimize(impl, failure: dict, contract_checks: bool, seconds: float | None) -> None:
+    """Finish the shrink at the op level (``tqbatch.testing.minimize``), in place."""
+    if not failure["identity"] or not failure["ops"]:
+        return
+    tolerated = set(failure["tolerated"])
+    ops, check_failure = minimize(
+        impl,
+        failure["config"],
+        failure["ops"],
+        failure["identity"],
+        (lambda f: f.identity in tolerated) if tolerated else None,
+        contract_checks=contract_checks,
+        seconds=(seconds or SHRINK_SECONDS) * (1 - HYPOTHESIS_SHARE),
+    )
+    if check_failure is not None:
+        failure.update(ops=ops, message=str(check_failure), what=check_failure.what)
 
 
 def _found(machine, exc: BaseException, tolerated: list[str]) -> list[dict]:
@@ -330,3 +359,31 @@ def _found(machine, exc: BaseException, tolerated: list[str]) -> list[dict]:
         record["tolerated"] = tolerated
         out.append(record)
     return out
+
+
+def survey_test_case(impl: type | None = None, *, examples: int = 60, seed: int = 0):
+    """A ``unittest.TestCase`` that surveys ``impl`` and fails listing every distinct failure.
+
+    The pytest entry of ``tqbatch fuzz --survey``: one test whose failure
+    message is the whole list (identity, level, shrunk op count, what
+    failed), contract and policy alike. Uses the ``ci`` profile's steps.
+    """
+    import unittest
+
+    from tqbatch.testing.impl import load_impl
+
+    target = impl if impl is not None else load_impl()
+
+    class SurveyTest(unittest.TestCase):
+        def runTest(self):
+            result = run_campaign(target, examples=examples, profile="ci", seed=seed, survey=True)
+            lines = [
+                f"{f['identity'] or '(harness)'} [{f['level']}] {len(f['ops'])} ops: "
+                f"{(f.get('what') or f['message']).splitlines()[0]}"
+                for f in result.failures
+            ]
+            if lines:
+                self.fail(f"{len(lines)} distinct failures:\n" + "\n".join(lines))
+
+    SurveyTest.__name__ = f"Survey_{target.__name__}"
+    return SurveyTest

@@ -20,11 +20,12 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import Phase, settings
 
-from tqbatch.testing.campaign import SHRINK_SECONDS, shrink_deadline
+from tqbatch.testing.campaign import HYPOTHESIS_SHARE, SHRINK_SECONDS, shrink_deadline
+from tqbatch.testing.minimize import minimize
 from tqbatch.testing.mutants import CATCHES, MUTANTS
 from tqbatch.testing.profiles import PROFILES
 from tqbatch.testing.stateful import Failure, UnsupportedOpsWarning, machine_for
@@ -73,12 +74,25 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
     )
     start = time.perf_counter()
     try:
-        with shrink_deadline(SHRINK_SECONDS):  # as tqbatch fuzz shrinks
+        with shrink_deadline(SHRINK_SECONDS * HYPOTHESIS_SHARE):  # as tqbatch fuzz shrinks
             Counting.TestCase("runTest").runTest()
     except AssertionError:
         pass  # the machine recorded what failed
+    failure = Counting.last_failure
+    if shrink and failure is not None and failure.check == intended:
+        # As tqbatch fuzz reports it: Hypothesis's shrink, then the op-level pass.
+        ops, check_failure = minimize(
+            MUTANTS[name],
+            failure.config,
+            failure.ops,
+            failure.identity,
+            lambda f: f.check.name != intended,
+            seconds=SHRINK_SECONDS * (1 - HYPOTHESIS_SHARE),
+        )
+        if check_failure is not None:
+            failure = replace(failure, ops=ops, message=str(check_failure))
     seconds = time.perf_counter() - start
-    return Hunt(name, intended, Counting.last_failure, seconds, examples[0])
+    return Hunt(name, intended, failure, seconds, examples[0])
 
 
 def main(argv=None) -> int:
