@@ -57,3 +57,18 @@ def test_fuzz_failure_is_saved_and_replays(tmp_path):
     # ...and the correct cache passes the same ops against the live oracles.
     fixed = _tqbatch("replay", str(saved[0]), "--oracles-only", cwd=tmp_path)
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+
+
+def test_survey_over_workers_reports_every_shard(tmp_path):
+    run = _tqbatch(
+        "fuzz", "--impl", MUTANT, "--workers", "2", "--examples", "4", "--profile", "ci",
+        "--survey", "--out", "failures", cwd=tmp_path,
+    )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    assert "shard 0" in out and "shard 1" in out and "size_type" in out
+    saved = sorted((tmp_path / "failures").glob("*.json"))
+    assert saved, out
+    found_on = json.loads(saved[0].read_text())["found_on"]
+    assert found_on["options"]["survey"] is True and found_on["options"]["workers"] == 2
+    assert found_on["identity"] == "size_type"

@@ -164,6 +164,7 @@ def _collect(directory):
 
 def run(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tqbatch.testing.impl import ImplSpecError, load_impl, missing_capabilities
@@ -219,7 +220,7 @@ def run(args) -> int:
     elif result.failure:
         from tqbatch.testing.ops import format_ops
 
-        console.print(f"[red]FAILED[/red]: {result.failure['message']}")
+        console.print(f"[red]FAILED[/red]: {escape(result.failure['message'])}")
         console.print("shrunk op sequence:\n" + format_ops(result.failure["ops"]))
     for path in paths:
         if path is not None:
@@ -284,6 +285,7 @@ def _save_failures(result, args, options) -> list:
 
 def _print_survey(result, paths) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     if not result.failures:
@@ -295,11 +297,11 @@ def _print_survey(result, paths) -> None:
         table.add_column(column)
     for failure, path in zip(result.failures, paths):
         table.add_row(
-            failure.get("identity") or "(harness)",
+            escape(failure.get("identity") or "(harness)"),
             failure["level"],
             str(len(failure["ops"])),
-            (failure.get("what") or failure["message"]).splitlines()[0][:160],
-            str(path or "-"),
+            escape((failure.get("what") or failure["message"]).splitlines()[0][:160]),
+            escape(str(path or "-")),
         )
     Console().print(table)
     if result.exhausted:

@@ -179,7 +179,9 @@ class BatchCacheMachine(RuleBasedStateMachine):
             long = data.draw(st.integers(0, 39), label="long") == 27
             op = {
                 "op": "update",
-                "tokens": data.draw(st.integers(200, 300) if long else st.integers(2, 4)),
+                "tokens": data.draw(
+                    st.integers(200, 300) if long else st.integers(2, 4), label="tokens"
+                ),
                 "kv_seed": data.draw(tqs.seeds, label="kv_seed"),
             }
         self._run(op)
