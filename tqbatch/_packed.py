@@ -43,10 +43,6 @@ def select_rows(state, indices: mx.array):
     return tree_map(lambda a: a[indices], state)
 
 
-def concat_rows(states: Sequence):
-    return tree_map(lambda *parts: mx.concatenate(parts, axis=0), *states)
-
-
 def concat_tokens(states: Sequence):
     return tree_map(lambda *parts: mx.concatenate(parts, axis=TOKEN_AXIS), *states)
 

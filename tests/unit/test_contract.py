@@ -1,4 +1,4 @@
-"""Every point of issue 2's contract, each checked in lockstep with mlx-lm's
+"""Every point of the batch-cache contract, each checked in lockstep with mlx-lm's
 BatchKVCache (geometry) and per-request TurboQuantKVCache references (content)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the seed got right and tqbatch must keep (issue 2), and the bit widths it supports."""
+"""What the seed got right and tqbatch must keep, and the bit widths it supports."""
 
 from __future__ import annotations
 

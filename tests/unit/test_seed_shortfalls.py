@@ -1,4 +1,4 @@
-"""The eight places where the omlx seed falls short (issue 2), one test group each.
+"""The eight places where the omlx seed falls short, one test group each.
 
 Each test fails on the seed's behaviour (see tqbatch.testing.mutants for a
 subclass re-introducing each defect; ``TQBATCH_IMPL=tqbatch.testing.mutants:X``

@@ -1,4 +1,4 @@
-"""Structural guards instead of timed tests (issue 5): reshaping operations
+"""Structural guards instead of timed tests (speed goals are benchmarks): reshaping operations
 move packed bits and never run a codec; a write quantizes its new tokens once.
 
 Calls are counted by wrapping the codec classes' quantize/dequantize, so any
