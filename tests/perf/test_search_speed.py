@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 
+import tqbatch
 from tqbatch import bench
 from tqbatch.testing.mutants import MUTANTS
 from tqbatch.testing.selftest import hunt
@@ -44,3 +45,21 @@ def test_time_to_shrunk_report(benchmark, name, record_property):
     assert result.found, f"{name}: {result.failure}"
     benchmark.extra_info.update(shrunk_ops=len(result.failure.ops), check=result.check)
     record_property("shrunk", f"{result.seconds:.1f} s to {len(result.failure.ops)} ops")
+
+
+def test_cost_per_example(benchmark, record_property):
+    """Seconds per example of the state machine against tqbatch (ci profile, 10 examples)."""
+    from tqbatch.testing.campaign import run_campaign
+
+    benchmark.group = "search: cost per example (ci profile, tqbatch)"
+    result = benchmark.pedantic(
+        run_campaign,
+        args=(tqbatch.BatchTurboQuantKVCache,),
+        kwargs={"examples": 10, "profile": "ci", "seed": 0},
+        rounds=1,
+    )
+    assert not result.failures, result.failures
+    ops = sum(result.op_counts.values())
+    per_example = result.seconds / result.examples
+    benchmark.extra_info.update(examples=result.examples, ops=ops, per_example=per_example)
+    record_property("cost", f"{per_example:.2f} s/example, {1e3 * result.seconds / ops:.0f} ms/op")
