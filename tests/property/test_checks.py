@@ -15,7 +15,7 @@ import pytest
 import tqbatch
 from tqbatch.testing import ops as ops_module
 from tqbatch.testing.checks import CHECKS, CheckFailure, KnownFailure, failure
-from tqbatch.testing.mutants import CATCHES
+from tqbatch.testing.mutants import CATCHES, FilterWithoutCompaction
 from tqbatch.testing.ops import World
 
 Base = tqbatch.BatchTurboQuantKVCache
@@ -106,6 +106,12 @@ SHOWN = {
         None,
     ),
     "harness": (Base, PREFILL, _corrupt_model, None),
+    "rejects_by_policy": (
+        FilterWithoutCompaction,  # its filter skips validation: [0, 0] forks row 0
+        [*PREFILL, _bad("filter-repeated", {"op": "filter", "indices": [0, 0]}, "ValueError")],
+        None,
+        None,
+    ),
 }
 
 

@@ -14,10 +14,14 @@ Levels:
     the physical written end, content and attention against the references.
     A cache that fails one does not conform.
 ``policy``
-    Input validation: which bad inputs must raise, and with which exception
-    type. A cache with another (legal) policy is reported as differing, not as
-    non-conforming. A rejected op that *changes* the cache is a contract
-    failure (``unchanged``): the caller is left with a cache it did not ask for.
+    Input validation beyond the contract: with which exception type bad
+    input is rejected, and whether input a cache could give a meaning to
+    (an empty or repeating ``filter``) is rejected at all. A cache with
+    another legal policy is reported as differing, not as non-conforming.
+    Accepting input that has no sound meaning (a row that does not exist,
+    K/V of another shape, rows of another codec) is a contract failure
+    (``rejects``): the cache silently computes garbage. So is a rejected op
+    that *changes* the cache (``unchanged``).
 ``harness``
     The oracles disagree with each other: a bug in tqbatch.testing.
 
@@ -102,7 +106,13 @@ CHECKS: dict[str, Check] = {
             "attention is within the measured TurboQuant bound of full precision",
         ),
         Check("unchanged", CONTRACT, True, "a rejected op leaves the cache exactly as it was"),
-        Check("rejects", POLICY, True, "bad input is rejected"),
+        Check("rejects", CONTRACT, True, "bad input that has no sound meaning is rejected"),
+        Check(
+            "rejects_by_policy",
+            POLICY,
+            True,
+            "bad input a cache could define a meaning for (tqbatch rejects it) is rejected",
+        ),
         Check("error_type", POLICY, False, "bad input is rejected with the documented type"),
         Check("harness", HARNESS, True, "the numpy model and BatchKVCache agree"),
     )

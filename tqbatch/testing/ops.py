@@ -41,6 +41,7 @@ from tqbatch.testing.checks import CheckFailure, KnownFailure, failure
 from tqbatch.testing.impl import OPS_BY_CAPABILITY, capabilities, load_impl
 from tqbatch.testing.model import BatchModel, attention, causal_mask
 from tqbatch.testing.reference import DenseOracle, TurboReferences, to_numpy
+from tqbatch.testing.strategies import POLICY_CASES
 from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, excess_ratios
 
 __all__ = [
@@ -614,7 +615,8 @@ class World:
                 f"expected {expected}, the target raised {type(exc).__name__}: {exc}",
             )
         else:
-            self._report("rejects", op, f"expected {expected}, the target accepted the op")
+            check = "rejects_by_policy" if op.get("case") in POLICY_CASES else "rejects"
+            self._report(check, op, f"expected {expected}, the target accepted the op")
         after = self._read_snapshot(op)
         for key in before:
             a, b = before[key], after[key]
