@@ -72,3 +72,13 @@ def test_survey_over_workers_reports_every_shard(tmp_path):
     found_on = json.loads(saved[0].read_text())["found_on"]
     assert found_on["options"]["survey"] is True and found_on["options"]["workers"] == 2
     assert found_on["identity"] == "size_type"
+
+
+def test_conformance_tabulates_each_target(tmp_path):
+    run = _tqbatch("conformance", MUTANT, "tqbatch", "--examples", "3", "--markdown", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr  # tqbatch itself conforms
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| `")]
+    assert rows == [
+        "| `SizeAsArray` | no | 1: `size_type` | - |",
+        "| `tqbatch` | yes | - | - |",
+    ], run.stdout

@@ -77,10 +77,8 @@ def run(args) -> int:
             own_ok = conforms(result) and not policy
         print(_line(rows[-1]), file=sys.stderr if args.markdown else sys.stdout, flush=True)
     if args.markdown:
-        print(
-            f"| target | conforms | contract failures | policy differences |  <!-- {args.examples} "
-            f"examples, seed {args.seed}, profile {args.profile} -->"
-        )
+        print(f"<!-- {args.examples} examples, seed {args.seed}, profile {args.profile} -->")
+        print("| target | conforms | contract failures | policy differences |")
         print("|---|---|---|---|")
         for name, ok, contract, policy, _ in rows:
             print(
