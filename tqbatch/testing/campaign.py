@@ -243,8 +243,7 @@ def run_campaign(
     class Counting(machine):
         def __init__(self):
             super().__init__()
-            self._ops: dict = {}
-            self._pairs: dict = {}
+            # This example's op counts: the class-level totals now, subtracted at teardown.
             self._before = (dict(type(self).op_counts), dict(type(self).pair_counts))
 
         def teardown(self):

@@ -210,7 +210,9 @@ class World:
         except (AssertionError, KnownFailure):
             raise
         except Exception as exc:
+            # "raises" is a diverging check: _report raises, tolerated or not.
             self._report("raises", op, f"the target raised {type(exc).__name__}: {exc}")
+            raise
         self.last = oracle_phase(self, op, ctx)
         return self.last
 
