@@ -20,11 +20,14 @@ from tqbatch.testing.mutants import MUTANTS, describe
 from tqbatch.testing.selftest import hunt
 
 # Budget: measured with these settings (derandomized, 15 steps), each mutant
-# counted only by its own check: median 4 examples to the kill, worst 172
-# (BatchOnePaddingMishandled, which needs B = 1 and a left-padding prepare).
-# 1500 examples leave a margin of ~9x, so a Hypothesis upgrade that changes
-# the derandomized draws still finds every mutant. Each run stops at its
-# first failure: the budget costs time only for a mutant that is not found.
+# counted only by its own check, with the strategies as they were before
+# long prompts became rarer: median 4 examples to the kill, worst 172
+# (BatchOnePaddingMishandled, which needs B = 1 and a left-padding prepare);
+# under the ci profile now, worst 49 (README, "Suite strength"). 1500
+# examples leave a margin of ~9x over the worst seen, so a Hypothesis upgrade
+# that changes the derandomized draws still finds every mutant. Each run
+# stops at its first failure: the budget costs time only for a mutant that
+# is not found.
 SEARCH = settings(
     max_examples=1500,
     stateful_step_count=15,
