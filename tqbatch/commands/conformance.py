@@ -104,24 +104,8 @@ def _line(row) -> str:
 
 
 def _save(result, impl, args) -> None:
-    from tqbatch.testing.scenario import write_failure
+    from tqbatch.testing.campaign import save_failures
 
-    target = f"{impl.__module__}:{impl.__qualname__}"
-    for failure in result.failures:
-        if failure["ops"]:
-            write_failure(
-                failure["ops"],
-                failure["config"],
-                args.out,
-                error=failure["message"],
-                backend=args.backend,
-                options={
-                    "impl": target,
-                    "survey": True,
-                    "examples": args.examples,
-                    "seed": args.seed,
-                    "profile": args.profile,
-                },
-                identity=failure["identity"] or None,
-                tolerated=failure["tolerated"],
-            )
+    options = {"impl": f"{impl.__module__}:{impl.__qualname__}", "survey": True}
+    options.update(examples=args.examples, seed=args.seed, profile=args.profile)
+    save_failures(result, args.out, backend=args.backend, options=options)

@@ -214,7 +214,9 @@ def run(args) -> int:
                 lambda r: progress.update(task, completed=r.examples),
             )
     _print_summary(result, target, args.backend, missing)
-    paths = _save_failures(result, args, options)
+    from tqbatch.testing.campaign import save_failures
+
+    paths = save_failures(result, args.out, backend=args.backend, options=options)
     if args.survey:
         _print_survey(result, paths)
     elif result.failure:
@@ -258,29 +260,6 @@ def _print_summary(result, target, backend, missing) -> None:
     table.add_row("failures", str(len(result.failures)))
     table.add_row("skipped (unsupported)", ", ".join(missing) or "-")
     Console().print(table)
-
-
-def _save_failures(result, args, options) -> list:
-    from tqbatch.testing.scenario import write_failure
-
-    paths = []
-    for failure in result.failures:
-        if not failure["ops"]:
-            paths.append(None)  # the harness itself failed: nothing to replay
-            continue
-        paths.append(
-            write_failure(
-                failure["ops"],
-                failure["config"],
-                args.out,
-                error=failure["message"],
-                backend=args.backend,
-                options=options,
-                identity=failure.get("identity") or None,
-                tolerated=failure.get("tolerated") or [],
-            )
-        )
-    return paths
 
 
 def _print_survey(result, paths) -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "CampaignResult",
     "conforms",
     "run_campaign",
+    "save_failures",
     "shrink_deadline",
     "survey_test_case",
 ]
@@ -358,6 +359,31 @@ def _found(machine, exc: BaseException, tolerated: list[str]) -> list[dict]:
         record["tolerated"] = tolerated
         out.append(record)
     return out
+
+
+def save_failures(result: CampaignResult, directory, *, backend=None, options=None) -> list:
+    """Write each failure as a scenario (``scenario.write_failure``); its path, or None where
+    there is nothing to replay (the harness itself failed)."""
+    from tqbatch.testing.scenario import write_failure
+
+    paths = []
+    for failure in result.failures:
+        if not failure["ops"]:
+            paths.append(None)
+            continue
+        paths.append(
+            write_failure(
+                failure["ops"],
+                failure["config"],
+                directory,
+                error=failure["message"],
+                backend=backend,
+                options=options,
+                identity=failure.get("identity") or None,
+                tolerated=failure.get("tolerated") or [],
+            )
+        )
+    return paths
 
 
 def survey_test_case(impl: type | None = None, *, examples: int = 60, seed: int = 0):
