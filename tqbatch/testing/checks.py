@@ -46,6 +46,7 @@ __all__ = [
     "CONTRACT",
     "HARNESS",
     "POLICY",
+    "POLICY_CASES",
     "Check",
     "CheckFailure",
     "KnownFailure",
@@ -54,6 +55,12 @@ __all__ = [
 ]
 
 CONTRACT, POLICY, HARNESS = "contract", "policy", "harness"
+
+# Bad-input cases (tqbatch.testing.strategies.BAD_INPUT_ERRORS) a cache could
+# define a meaning for (an empty batch; a row forked into two): rejecting them
+# is tqbatch's policy (check ``rejects_by_policy``), not the contract. Every
+# other case has no sound meaning (check ``rejects``).
+POLICY_CASES = frozenset({"filter-empty", "filter-repeated"})
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,10 @@ from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch.testing.backend import matmul_precision
-from tqbatch.testing.checks import CheckFailure, KnownFailure, failure
+from tqbatch.testing.checks import POLICY_CASES, CheckFailure, KnownFailure, failure
 from tqbatch.testing.impl import OPS_BY_CAPABILITY, capabilities, load_impl
 from tqbatch.testing.model import BatchModel, attention, causal_mask
 from tqbatch.testing.reference import DenseOracle, TurboReferences, to_numpy
-from tqbatch.testing.strategies import POLICY_CASES
 from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, excess_ratios
 
 __all__ = [

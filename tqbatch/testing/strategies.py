@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from tqbatch.testing.checks import POLICY_CASES
+
 __all__ = [
     "MAX_ROWS",
     "MAX_PROMPT",
@@ -252,11 +254,6 @@ def bad_input_op(
     case, inner = draw(st.sampled_from([c for c in choices if c[1]["op"] == kind]))
     return {"op": "expect_error", "inner": inner, "error": BAD_INPUT_ERRORS[case], "case": case}
 
-
-# Bad inputs a cache could define a meaning for (an empty batch; a row
-# forked into two): rejecting them is tqbatch's policy, not the contract.
-# Every other case has no sound meaning (tqbatch.testing.checks: rejects).
-POLICY_CASES = frozenset({"filter-empty", "filter-repeated"})
 
 # The exception each bad-input case must raise: tqbatch's policy (README, Errors).
 # TypeError for a wrong kind of object, IndexError for an index past the batch,
