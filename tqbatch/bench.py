@@ -56,10 +56,18 @@ class Geometry:
     head_dim: int
     context: int
     bits: int
+    query_heads: int | None = None  # decode queries; None: one per KV head
+
+    @property
+    def q_heads(self) -> int:
+        return self.query_heads or self.heads
 
     @property
     def label(self) -> str:
-        return f"B{self.batch}-H{self.heads}-D{self.head_dim}-T{self.context}-{self.bits}bit"
+        heads = (
+            f"H{self.heads}" if self.q_heads == self.heads else f"Hq{self.q_heads}-H{self.heads}"
+        )
+        return f"B{self.batch}-{heads}-D{self.head_dim}-T{self.context}-{self.bits}bit"
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,33 @@ FULL = ParameterSet("full", 8, 8, 128, (512, 4096), (4, 8), rounds=5)
 # (a few seconds on CPU; the full grid takes minutes).
 SMALL = ParameterSet("small", 8, 8, 128, (512,), (4,), rounds=3)
 
+
+@dataclass(frozen=True)
+class DecodeGrid:
+    """The decode-step comparison: batch sizes x contexts x bit widths, GQA queries."""
+
+    name: str
+    batches: tuple[int, ...]
+    heads: int
+    query_heads: int
+    head_dim: int
+    contexts: tuple[int, ...]
+    bits: tuple[int, ...]
+    rounds: int
+
+    def geometries(self) -> list[Geometry]:
+        return [
+            Geometry(batch, self.heads, self.head_dim, context, bits, self.query_heads)
+            for bits in self.bits
+            for batch in self.batches
+            for context in self.contexts
+        ]
+
+
+# A decode step as models take it: 32 query heads over 8 KV heads, D = 128.
+DECODE_FULL = DecodeGrid("full", (1, 8), 8, 32, 128, (512, 4096, 16384), (4, 8), rounds=5)
+DECODE_SMALL = DecodeGrid("small", (8,), 8, 32, 128, (512,), (4,), rounds=3)
+
 PERF_ENV = "TQBATCH_PERF"
 
 # A 5 % goal sits inside run-to-run noise at 5 rounds (ratios of 0.8-1.2 were
@@ -96,9 +131,18 @@ PERF_ENV = "TQBATCH_PERF"
 OVERHEAD_ROUNDS_FACTOR = 3
 
 
+def _full_run() -> bool:
+    return os.environ.get(PERF_ENV, "").lower() == "full"
+
+
 def selected_parameter_set() -> ParameterSet:
     """``FULL`` when ``$TQBATCH_PERF`` is ``full`` (the nox ``perf`` session), else ``SMALL``."""
-    return FULL if os.environ.get(PERF_ENV, "").lower() == "full" else SMALL
+    return FULL if _full_run() else SMALL
+
+
+def selected_decode_grid() -> DecodeGrid:
+    """``DECODE_FULL`` when ``$TQBATCH_PERF`` is ``full``, else ``DECODE_SMALL``."""
+    return DECODE_FULL if _full_run() else DECODE_SMALL
 
 
 @dataclass
@@ -224,10 +268,11 @@ class Workload:
 
     @cached_property
     def step_inputs(self) -> tuple[mx.array, mx.array, mx.array]:
-        """One decode step's (queries, keys, values), (B, H, 1, D) float16."""
+        """One decode step's (queries, keys, values), (B, Hq or H, 1, D) float16."""
         g = self.geometry
         shape = (g.batch, g.heads, 1, g.head_dim)
-        q, k, v = self._normal(shape), self._normal(shape), self._normal(shape)
+        q = self._normal((g.batch, g.q_heads, 1, g.head_dim))
+        k, v = self._normal(shape), self._normal(shape)
         mx.eval(q, k, v)
         return q, k, v
 
@@ -503,6 +548,68 @@ def compare(
             )
         )
     return rows
+
+
+def compare_decode(
+    grid: DecodeGrid, impl: type | None = None, progress: Callable[[str], None] | None = None
+) -> list[Row]:
+    """Time a decode step (mask, write one token, attend) on both sides for each geometry."""
+    impl = impl or load_impl()
+    rows = []
+    for geometry in grid.geometries():
+        workload = Workload(geometry, impl=impl)
+        cases = [workload.case("decode", side) for side in SIDES]
+        for case in cases:  # warm up: codec tables and MLX kernels are built on first use
+            case.run(*case.setup())
+        if progress:
+            progress(f"decode {geometry.label}")
+        rows.append(Row("decode", geometry, *time_pair(*cases, grid.rounds), "BatchKVCache"))
+        del workload, cases
+        gc.collect()
+    return rows
+
+
+def packed_bytes_read(geometry: Geometry) -> float:
+    """The floor of bytes a decode step reads from a TurboQuant cache: every slot's packed
+    codes and float16 norm, keys and values (66 B per token and head at 4 bits, D = 128)."""
+    g = geometry
+    return g.batch * g.heads * g.context * 2 * (g.bits * g.head_dim / 8 + 2)
+
+
+def float16_bytes_read(geometry: Geometry) -> float:
+    """Bytes a float16 decode step reads: every slot's keys and values (256 B per token-head)."""
+    g = geometry
+    return g.batch * g.heads * g.context * 2 * g.head_dim * 2
+
+
+def decode_goal(row: Row, backend: str | None = None) -> float | None:
+    """The decode goal at B = 8 and 4096 tokens: on a CPU <= 1.1x float16 at 4 bits and
+    <= 1.5x at 8 bits; on a GPU <= 2x. None elsewhere in the grid."""
+    g = row.geometry
+    if g.batch != 8 or g.context != 4096:
+        return None
+    backend = backend or ("gpu" if mx.default_device() == mx.gpu else "cpu")
+    if backend == "gpu":
+        return 2.0
+    return {4: 1.1, 8: 1.5}.get(g.bits)
+
+
+def decode_table(rows: Sequence[Row]) -> str:
+    """The decode comparison as a markdown table, with the bytes each side must read."""
+    lines = [
+        "| B | context | bits | target (ms) | float16 (ms) | ratio | read/step: packed (MB) "
+        "| float16 (MB) | goal |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        g, want = r.geometry, decode_goal(r)
+        verdict = "" if want is None else f"<= {want:g} {'met' if r.ratio <= want else 'missed'}"
+        lines.append(
+            f"| {g.batch} | {g.context} | {g.bits} | {_ms(r.target)} | {_ms(r.reference)} | "
+            f"{r.ratio:.2f} | {packed_bytes_read(g) / 1e6:.1f} | {float16_bytes_read(g) / 1e6:.1f}"
+            f" | {verdict} |"
+        )
+    return "\n".join(lines)
 
 
 def goal(row: Row) -> float | None:

@@ -31,7 +31,7 @@ from mlx_vlm.turboquant import (
     _QuantizedStateProxy,
 )
 
-from tqbatch import _packed
+from tqbatch import _codec, _packed
 
 __all__ = ["BatchTurboQuantKVCache", "BatchableTurboQuantKVCache"]
 
@@ -335,8 +335,8 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         self._ensure_codecs(keys, values)
         new_keys, new_values = self._try_fused_kv_quantize(keys, values)
         if new_keys is None:
-            new_keys = self.key_codec.quantize(keys)
-            new_values = self.value_codec.quantize(values)
+            new_keys = _codec.quantize(self.key_codec, keys)
+            new_values = _codec.quantize(self.value_codec, values)
 
         start, n_new = self._end, keys.shape[2]
         end = start + n_new
@@ -409,12 +409,32 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
                     return own
         return mask
 
+    def _attend(self, queries, keys_state, values_state, scale, mask):
+        """tqbatch's vectorized attention over the packed state, or None where not served."""
+        if keys_state is None or values_state is None:
+            keys_state, values_state = self._written()
+        return _codec.attend(
+            queries,
+            _unwrap(keys_state),
+            _unwrap(values_state),
+            self.key_codec,
+            self.value_codec,
+            scale,
+            mask,
+        )
+
     def decode_attention(self, queries, keys_state=None, values_state=None, scale=1.0, mask=None):
         mask = self._attention_mask(queries, keys_state, mask)
+        out = self._attend(queries, keys_state, values_state, scale, mask)
+        if out is not None:
+            return out
         return super().decode_attention(queries, keys_state, values_state, scale, mask)
 
     def prefill_attention(self, queries, keys_state=None, values_state=None, scale=1.0, mask=None):
         mask = self._attention_mask(queries, keys_state, mask)
+        out = self._attend(queries, keys_state, values_state, scale, mask)
+        if out is not None:
+            return out
         out = super().prefill_attention(queries, keys_state, values_state, scale, mask)
         if out is not None:
             return out
@@ -753,8 +773,8 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             if self.keys is None:
                 raise ValueError("dequantize: the cache is empty")
             keys_state, values_state = self._written()
-        keys = self.key_codec.dequantize(_unwrap(keys_state)).astype(mx.float32)
-        values = self.value_codec.dequantize(_unwrap(values_state)).astype(mx.float32)
+        keys = _codec.dequantize(self.key_codec, _unwrap(keys_state)).astype(mx.float32)
+        values = _codec.dequantize(self.value_codec, _unwrap(values_state)).astype(mx.float32)
         return keys, values
 
     def dequantize_for_apc(self):

@@ -1,8 +1,10 @@
 """Structural guards instead of timed tests (speed goals are benchmarks): reshaping operations
 move packed bits and never run a codec; a write quantizes its new tokens once.
 
-Calls are counted by wrapping the codec classes' quantize/dequantize, so any
-path (a helper, a parent-class method, a fallback) that reaches a codec counts.
+Calls are counted by wrapping the codec classes' quantize/dequantize and
+tqbatch's vectorized codec (``tqbatch._codec``, which stands in for them), so
+any path (a helper, a parent-class method, a fallback) that reaches a codec
+counts, once.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections import Counter
 
 import pytest
 from mlx_vlm import turboquant
+
+from tqbatch import _codec
 
 from .support import Lockstep
 
@@ -25,15 +29,24 @@ CODEC_CLASSES = [
 def codec_calls(monkeypatch) -> Counter:
     """Counter of quantize/dequantize calls on any TurboQuant codec, by method name."""
     calls: Counter = Counter()
-    for cls in CODEC_CLASSES:
-        for name in ("quantize", "dequantize"):
-            original = getattr(cls, name)
+    inside = [0]  # tqbatch._codec falls back to the codec's method: count that call once
 
-            def counting(self, *args, _original=original, _name=name, **kwargs):
-                calls[_name] += 1
-                return _original(self, *args, **kwargs)
+    def counted(original, name):
+        def counting(*args, **kwargs):
+            if not inside[0]:
+                calls[name] += 1
+            inside[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside[0] -= 1
 
-            monkeypatch.setattr(cls, name, counting)
+        return counting
+
+    for name in ("quantize", "dequantize"):
+        monkeypatch.setattr(_codec, name, counted(getattr(_codec, name), name))
+        for cls in CODEC_CLASSES:
+            monkeypatch.setattr(cls, name, counted(getattr(cls, name), name))
     return calls
 
 

@@ -52,11 +52,21 @@ def register(subparsers) -> None:
         metavar="OP",
         help=f"ops to time (default: all of {', '.join(bench.OPS)})",
     )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="only the decode step, as models take it (32 query heads over 8 KV heads, "
+        "D=128), with the bytes each side must read; with --full: B 1 and 8, contexts "
+        "512, 4096 and 16384, bits 4 and 8 (default: B=8, 512 tokens, 4 bits)",
+    )
     parser.add_argument("--plot", metavar="OUT.png", help="also plot op cost against context")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.decode and args.plot:
+        print("tqbatch bench: --plot draws the op table; drop it with --decode", file=sys.stderr)
+        return 2
     if args.plot:
         # Fail before minutes of timing, not after.
         try:
@@ -84,17 +94,30 @@ def run(args) -> int:
         print(f"tqbatch bench: {name} lacks {', '.join(skipped)}: not timed", file=sys.stderr)
     args.ops = runnable
     parameters = bench.FULL if args.full else bench.SMALL
+    grid = bench.DECODE_FULL if args.full else bench.DECODE_SMALL
     if args.rounds is not None:
         if args.rounds < 1:
             print("tqbatch bench: --rounds must be at least 1", file=sys.stderr)
             return 2
         parameters = dataclasses.replace(parameters, rounds=args.rounds)
+        grid = dataclasses.replace(grid, rounds=args.rounds)
+    progress = lambda what: print(f"timing {what}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.decode:
+        rows = bench.compare_decode(grid, impl=impl, progress=progress)
+        print(f"backend: {describe_line(args.backend)}")
+        print(
+            f"target: {name}; median of {grid.rounds} rounds, sides alternating; "
+            "float16: mlx-lm's BatchKVCache + SDPA"
+        )
+        print()
+        print(bench.decode_table(rows))
+        return 0
 
     rows = bench.compare(
         parameters,
         impl=impl,
         ops=args.ops,
-        progress=lambda what: print(f"timing {what}", file=sys.stderr, flush=True),
+        progress=progress,
     )
     print(f"backend: {describe_line(args.backend)}")
     print(

@@ -3,10 +3,11 @@
 * ``DenseOracle``: mlx-lm's ``BatchKVCache`` fed the same full-precision K/V
   and the same ops. It defines the geometry (offsets, left padding, written
   end, masks) a batch cache must keep in lockstep with.
-* ``TurboReferences``: one ``mlx_vlm.turboquant.TurboQuantKVCache(bits, seed)``
-  per request, fed only that request's tokens. TurboQuant quantizes token by
-  token with codecs fixed by (head_dim, bits, seed), so a batch row must hold
-  exactly the bits this reference holds.
+* ``TurboReferences``: per request, what a single-request
+  ``mlx_vlm.turboquant.TurboQuantKVCache(bits, seed)`` fed only that
+  request's tokens holds. TurboQuant quantizes token by token with codecs
+  fixed by (head_dim, bits, seed), so a batch row must hold exactly the codes
+  this reference holds.
 
 Known defects of ``BatchKVCache`` (mlx-lm 0.32.2) and what the oracle does
 about them, so that it is only consulted where it is right:
@@ -158,84 +159,84 @@ class DenseOracle:
 
 
 class TurboReferences:
-    """A single-request ``TurboQuantKVCache`` per request id, same bits and seed."""
+    """What a single-request ``TurboQuantKVCache(bits, seed)`` holds, per request id.
+
+    TurboQuant quantizes token by token with codecs fixed by (head_dim, bits,
+    seed), so a request's reference is its own tokens through mlx-vlm's
+    codecs: quantized, then dequantized. Held as float32 ``(H, T, D)`` numpy
+    arrays, appended to and cut as the request grows and is trimmed. The
+    codecs are those of a ``TurboQuantKVCache`` with this configuration, and
+    one op's new tokens, of every request, go through them in one call: a
+    cache per request fed one op at a time was a third of the harness's time
+    per example. ``tests/unit/test_reference_cache.py`` shows the result equal
+    to what a ``TurboQuantKVCache`` per request holds.
+    """
 
     def __init__(self, bits: float, seed: int, key_bits=None, value_bits=None):
         self.config = dict(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
-        self.caches: dict[int, TurboQuantKVCache] = {}
-        # dequantized() per request until the request's tokens change: an
-        # attend op and the check after it both read every row's reference.
-        self._dequantized: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._codecs: tuple | None = None  # (key codec, value codec), built on the first tokens
+        self._tokens: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def new(self, request_id: int) -> TurboQuantKVCache:
-        cache = TurboQuantKVCache(**self.config)
-        self.caches[request_id] = cache
-        self._dequantized.pop(request_id, None)
-        return cache
-
-    def get(self, request_id: int) -> TurboQuantKVCache:
-        return self.caches[request_id]
+    def new(self, request_id: int):
+        self._tokens[request_id] = None
 
     def absorb(self, other: TurboReferences):
-        self.caches.update(other.caches)
-        self._dequantized.update(other._dequantized)
+        self._tokens.update(other._tokens)
 
     def append(self, request_id: int, keys: np.ndarray, values: np.ndarray):
-        """Append (H, T, D) tokens to a request; returns the fetched states (or None)."""
-        cache = self.caches[request_id]
-        if keys.shape[1] == 0:
-            return None
-        start = 0 if cache.keys is None else int(cache.offset)
-        out = cache.update_and_fetch(mx.array(keys[None]), mx.array(values[None]))
-        mx.eval(cache.keys, cache.values)
-        held = self._dequantized.get(request_id)
-        if held is not None and held[0].shape[1] == start:
-            # Quantization is per token: dequantize only the new ones and keep
-            # the rest (a whole-row dequantize per append was ~15% of a step).
-            new_k, new_v = self._dequantize_range(cache, start, int(cache.offset))
-            self._dequantized[request_id] = (
-                _frozen(np.concatenate([held[0], new_k], axis=1)),
-                _frozen(np.concatenate([held[1], new_v], axis=1)),
-            )
-        else:
-            self._dequantized.pop(request_id, None)
-        return out
+        """Append (H, T, D) float32 tokens to one request."""
+        self.append_rows([(request_id, keys, values)])
 
-    @staticmethod
-    def _dequantize_range(cache: TurboQuantKVCache, start: int, end: int):
-        ks, vs = cache.state
-        k, v = cache.dequantize(_token_range(ks, start, end), _token_range(vs, start, end))
+    def append_rows(self, items: Sequence[tuple[int, np.ndarray, np.ndarray]]):
+        """Append ``(request id, keys (H, T, D), values)`` to each request, in one codec call."""
+        items = [(rid, k, v) for rid, k, v in items if k.shape[1] > 0]
+        if not items:
+            return
+        keys = np.concatenate([k for _, k, _ in items], axis=1)[None]
+        values = np.concatenate([v for _, _, v in items], axis=1)[None]
+        new_k, new_v = self._round_trip(mx.array(keys), mx.array(values))
+        start = 0
+        for rid, k, _ in items:
+            stop = start + k.shape[1]
+            held = self._tokens[rid]
+            add_k, add_v = new_k[:, start:stop], new_v[:, start:stop]
+            if held is not None:
+                add_k = np.concatenate([held[0], add_k], axis=1)
+                add_v = np.concatenate([held[1], add_v], axis=1)
+            self._tokens[rid] = (
+                _frozen(np.ascontiguousarray(add_k)),
+                _frozen(np.ascontiguousarray(add_v)),
+            )
+            start = stop
+
+    def _round_trip(self, keys: mx.array, values: mx.array):
+        """(H, T, D) float32 dequantized codes of (1, H, T, D) keys and values."""
+        if self._codecs is None:
+            probe = TurboQuantKVCache(**self.config)
+            probe.update_and_fetch(keys[:, :, :1], values[:, :, :1])
+            self._codecs = (probe.key_codec, probe.value_codec)
+        key_codec, value_codec = self._codecs
+        # As TurboQuantKVCache.update_and_fetch quantizes and .dequantize reads back.
+        k = key_codec.dequantize(key_codec.quantize(keys)).astype(mx.float32)
+        v = value_codec.dequantize(value_codec.quantize(values)).astype(mx.float32)
         return to_numpy(k[0]), to_numpy(v[0])
 
     def trim(self, request_id: int, n: int):
-        if n > 0:
-            self.caches[request_id].trim(n)
-            held = self._dequantized.pop(request_id, None)
-            if held is not None and held[0].shape[1] >= n:
-                keep = held[0].shape[1] - n
-                self._dequantized[request_id] = (
-                    _frozen(held[0][:, :keep]),
-                    _frozen(held[1][:, :keep]),
-                )
+        held = self._tokens[request_id]
+        if n > 0 and held is not None:
+            keep = max(0, held[0].shape[1] - n)
+            self._tokens[request_id] = (_frozen(held[0][:, :keep]), _frozen(held[1][:, :keep]))
 
     def length(self, request_id: int) -> int:
-        cache = self.caches[request_id]
-        return 0 if cache.keys is None else int(cache.offset)
+        held = self._tokens[request_id]
+        return 0 if held is None else held[0].shape[1]
 
     def dequantized(self, request_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """(H, T, D) float32 keys and values the reference holds for a request (read-only)."""
-        cache = self.caches[request_id]
-        if cache.keys is None or cache.offset == 0:
+        """(H, T, D) float32 keys and values the reference holds (read-only), or (None, None)."""
+        held = self._tokens[request_id]
+        if held is None or held[0].shape[1] == 0:
             return None, None
-        if request_id not in self._dequantized:
-            k, v = cache.dequantize()
-            self._dequantized[request_id] = (_frozen(to_numpy(k[0])), _frozen(to_numpy(v[0])))
-        return self._dequantized[request_id]
-
-
-def _token_range(state, start: int, end: int):
-    """Token slots ``[start, end)`` of a packed TurboQuant state (a NamedTuple of arrays)."""
-    return type(state)._make(leaf[:, :, start:end] for leaf in state)
+        return held
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
