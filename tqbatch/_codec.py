@@ -146,24 +146,31 @@ def quantize(codec, vectors: mx.array):
 def _unit_codebook_vectors(codec, state: TurboQuantMSEState) -> mx.array:
     """Each token's codebook vector, in the codec's rotated basis (unit norm up to codes)."""
     if 8 % codec.bits == 0:
-        # 1, 2, 4 and 8 bits: no code straddles a byte, so each byte of the
-        # (little-endian) words looks up its 8 / bits codebook values at once.
-        data = state.indices.view(mx.uint8)
-        vectors = mx.take(_byte_table(codec), data, axis=0)  # (..., 4W, 8 / bits)
+        # 1, 2, 4 and 8 bits: no code straddles a byte, so each byte (1, 2
+        # bits) or 16-bit half-word (4, 8 bits) of the little-endian words
+        # looks up all its codes' values at once. MLX's gather costs per
+        # index, so fewer, wider lookups are faster; a 2**16-entry table of
+        # 2 or 4 floats (0.5-1 MB) still sits in cache.
+        unit = mx.uint16 if codec.bits >= 4 else mx.uint8
+        data = state.indices.view(unit)
+        vectors = mx.take(_lookup_table(codec, unit), data, axis=0)  # (..., n, codes per unit)
         return vectors.reshape(*data.shape[:-1], -1)[..., : codec.dim]
     codes = unpack(state.indices, codec.bits, codec.dim).astype(mx.int32)
     return mx.take(codec.codebook, codes, axis=0)
 
 
-def _byte_table(codec) -> mx.array:
-    """(256, 8 / bits) codebook values of the codes packed in each byte value, low bits first."""
-    table = getattr(codec, "_tqbatch_byte_table", None)
+def _lookup_table(codec, unit) -> mx.array:
+    """(2**width, width / bits) codebook values of the codes packed in each ``unit`` value,
+    low bits first."""
+    width = 16 if unit == mx.uint16 else 8
+    attribute = f"_tqbatch_table_{width}"
+    table = getattr(codec, attribute, None)
     if table is None:
-        per_byte = 8 // codec.bits
-        shifts = np.arange(per_byte) * codec.bits
-        codes = (np.arange(256)[:, None] >> shifts) & ((1 << codec.bits) - 1)
+        shifts = np.arange(width // codec.bits) * codec.bits
+        codes = (np.arange(2**width)[:, None] >> shifts) & ((1 << codec.bits) - 1)
         table = mx.take(codec.codebook, mx.array(codes.astype(np.int32)), axis=0)
-        codec._tqbatch_byte_table = table
+        mx.eval(table)
+        setattr(codec, attribute, table)
     return table
 
 
