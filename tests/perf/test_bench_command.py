@@ -96,3 +96,34 @@ def test_bench_skips_ops_the_target_lacks(tmp_path):
     table = [line for line in done.stdout.splitlines() if line.startswith("|")]
     ops = [line.split("|")[1].strip() for line in table[2:]]  # past header and rule
     assert ops == ["trim", "decode-overhead (B=1)"]
+
+
+def test_bench_decode_prints_the_decode_table():
+    done = _tqbatch("bench", "--decode", "--rounds", "1")
+    assert done.returncode == 0, done.stderr
+    table = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| B | context | bits | target (ms) | float16 (ms) |")
+    # The small grid: B = 8, 512 tokens, 4 bits; reads 8*8*512 slots * 2 sides * 66 B.
+    cells = [c.strip() for c in table[2].split("|")[1:-1]]
+    assert cells[:3] == ["8", "512", "4"]
+    assert cells[6:8] == ["4.3", "16.8"]
+
+
+def test_bench_decode_refuses_plot(tmp_path):
+    done = _tqbatch("bench", "--decode", "--plot", str(tmp_path / "x.png"))
+    assert done.returncode == 2 and "--plot" in done.stderr
+
+
+def test_decode_goals_and_bytes_follow_the_issue():
+    def row(batch, context, bits):
+        g = bench.Geometry(batch, 8, 128, context, bits, query_heads=32)
+        return bench.Row("decode", g, 1, 1, "BatchKVCache")
+
+    assert bench.decode_goal(row(8, 4096, 4), "cpu") == 1.1
+    assert bench.decode_goal(row(8, 4096, 8), "cpu") == 1.5
+    assert bench.decode_goal(row(8, 4096, 8), "gpu") == 2.0
+    assert bench.decode_goal(row(1, 4096, 4), "cpu") is None
+    # 66 B per token-head and side at 4 bits (64 B of codes + a float16 norm), 256 B in float16.
+    g = row(1, 1, 4).geometry
+    assert bench.packed_bytes_read(g) == 8 * 2 * 66
+    assert bench.float16_bytes_read(g) == 8 * 2 * 256

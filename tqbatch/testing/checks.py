@@ -104,7 +104,7 @@ CHECKS: dict[str, Check] = {
             "attention",
             CONTRACT,
             False,
-            "attention equals per-request attention over the TurboQuant reference",
+            "attention equals exact attention over the per-request TurboQuant reference",
         ),
         Check(
             "fp_attention",

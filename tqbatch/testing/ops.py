@@ -60,7 +60,7 @@ __all__ = [
 POISON = 16.0
 
 # Dequantized rows vs the per-request reference, and batched attention vs
-# per-request attention over it: the same packed codes by two routes, so only
+# exact attention over it: the same packed codes by two routes, so only
 # rounding may separate them. The bounds are derived per case from the
 # operands and the matmul precision in effect: tqbatch.testing.tolerances.
 
