@@ -16,7 +16,6 @@ request alone.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from numbers import Integral
 
@@ -31,7 +30,7 @@ from mlx_vlm.turboquant import (
     _QuantizedStateProxy,
 )
 
-from tqbatch import _codec, _packed
+from tqbatch import _codec, _packed, _validate
 
 __all__ = ["BatchTurboQuantKVCache", "BatchableTurboQuantKVCache"]
 
@@ -69,18 +68,6 @@ def _padding_list(values, name: str, *, length: int | None = None) -> list[int]:
     if negative:
         raise ValueError(f"{name} must be non-negative, got {out}")
     return out
-
-
-def _check_integral_side_bits(key_bits, value_bits):
-    for name, side in (("key_bits", key_bits), ("value_bits", value_bits)):
-        # Fractional per-side bits make mlx-vlm pick outlier channels from the
-        # first tensor it sees: two requests would get different codecs and
-        # could not share a batch.
-        if side is not None and not math.isclose(float(side), round(float(side))):
-            raise ValueError(
-                f"{name}={side}: per-side bits must be integers (fractional "
-                "per-side codecs depend on the data and are not reproducible)"
-            )
 
 
 def _config_of(cache: TurboQuantKVCache) -> tuple:
@@ -122,30 +109,19 @@ def _check_packed_width(codec, state, name: str):
     width = (codec.dim * codec.bits + 31) // 32
     if state.indices.shape[-1] != width:
         raise ValueError(
-            f"meta_state head_dim {codec.dim} at {codec.bits} bits needs packed "
-            f"width {width}; the state's {name} have {state.indices.shape[-1]}"
+            f"head_dim {codec.dim} at {codec.bits} bits needs packed width {width}; "
+            f"the state's {name} have {state.indices.shape[-1]}"
         )
 
 
 def _parse_meta_state(value) -> tuple[int, TurboQuantKVCache, list[int] | None]:
-    """(written end, a probe cache holding the configuration and codecs, right padding)."""
-    if len(value) != 8:
-        raise ValueError(
-            f"meta_state must have 8 fields as returned by .meta_state, got {len(value)}"
-        )
-    end, bits, seed, key_bits, value_bits, key_dim, value_dim, pending = value
-    end, seed, key_dim, value_dim = int(end), int(seed), int(key_dim), int(value_dim)
-    if end < 0:
-        raise ValueError(f"meta_state written end must be non-negative, got {end}")
-    right = (
-        _padding_list([int(p) for p in pending.split(",")], "right_padding") if pending else None
-    )
-    _check_integral_side_bits(key_bits, value_bits)
-    # Validate the configuration on a scratch instance before touching the cache.
-    probe = TurboQuantKVCache(
-        bits=float(bits), seed=seed, key_bits=float(key_bits), value_bits=float(value_bits)
-    )
-    if key_dim > 0 and value_dim > 0:
+    """(written end, a probe cache holding the configuration and codecs, right padding).
+
+    Every field is checked (``_validate.meta_state``) before a codec is built.
+    """
+    end, bits, seed, key_bits, value_bits, key_dim, value_dim, right = _validate.meta_state(value)
+    probe = TurboQuantKVCache(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
+    if key_dim > 0:
         probe._ensure_codecs(mx.zeros((1, 1, 1, key_dim)), mx.zeros((1, 1, 1, value_dim)))
     return end, probe, right
 
@@ -168,6 +144,14 @@ def _as_packed(state):
     if isinstance(state, (list, tuple)) and len(state) == 2:
         return TurboQuantMSEState(*state)
     raise TypeError(f"not a TurboQuant packed state: {type(state).__name__}")
+
+
+def _checked_packed(state, name: str):
+    """``_as_packed`` plus kinds and shapes (``_validate.packed``)."""
+    state = _as_packed(state)
+    if state is not None:
+        _validate.packed(state, name)
+    return state
 
 
 class BatchTurboQuantKVCache(TurboQuantKVCache):
@@ -208,7 +192,9 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         padding = _padding_list(left_padding, "left_padding")
         if not padding:
             raise ValueError("left_padding must have one entry per row; got an empty list")
-        _check_integral_side_bits(key_bits, value_bits)
+        bits, seed = _validate.bits(bits), _validate.seed(seed)
+        key_bits = _validate.side_bits(key_bits, "key_bits")
+        value_bits = _validate.side_bits(value_bits, "value_bits")
         super().__init__(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
         self.left_padding = mx.array(padding, dtype=mx.int32)
         self.offset = -self.left_padding
@@ -235,7 +221,9 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         it runs left-padded rows alone in fresh full-precision ``KVCache``s and
         re-batches them with ``cache.__class__.merge(rows)``.
         """
-        _check_integral_side_bits(key_bits, value_bits)
+        bits, seed = _validate.bits(bits), _validate.seed(seed)
+        key_bits = _validate.side_bits(key_bits, "key_bits")
+        value_bits = _validate.side_bits(value_bits, "value_bits")
         probe = TurboQuantKVCache(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
         return cls._for_config(_config_of(probe))
 
@@ -309,34 +297,29 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
     # ------------------------------------------------------------------ writes
 
     def _check_kv(self, keys: mx.array, values: mx.array):
-        if keys.ndim != 4 or values.ndim != 4:
-            raise ValueError(
-                f"keys and values must be (B, H, T, D); got {keys.shape} and {values.shape}"
-            )
-        if keys.shape[:3] != values.shape[:3]:
-            raise ValueError(f"keys {keys.shape} and values {values.shape} disagree on (B, H, T)")
-        B, H, T, _ = keys.shape
-        if B != self.batch_size:
-            raise ValueError(f"keys have {B} rows, the cache has {self.batch_size}")
-        if T < 1:
-            raise ValueError("update_and_fetch needs at least one token (T >= 1)")
-        if self.keys is not None and H != _packed.heads(self.keys):
-            raise ValueError(f"keys have {H} heads, the cache holds {_packed.heads(self.keys)}")
-        for name, codec, dim in (
-            ("keys", self.key_codec, keys.shape[3]),
-            ("values", self.value_codec, values.shape[3]),
-        ):
-            if codec is not None and codec.dim != dim:
-                raise ValueError(f"{name} have head_dim {dim}, the cache's codec has {codec.dim}")
+        _validate.kv(
+            keys,
+            values,
+            self.batch_size,
+            _packed.heads(self.keys) if self.keys is not None else None,
+            self.key_codec.dim if self.key_codec is not None else None,
+            self.value_codec.dim if self.value_codec is not None else None,
+        )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append ``T`` tokens to every row at the written end; return all written slots."""
         self._check_kv(keys, values)
+        fresh = self.key_codec is None
         self._ensure_codecs(keys, values)
-        new_keys, new_values = self._try_fused_kv_quantize(keys, values)
-        if new_keys is None:
-            new_keys = _codec.quantize(self.key_codec, keys)
-            new_values = _codec.quantize(self.value_codec, values)
+        try:
+            new_keys, new_values = self._try_fused_kv_quantize(keys, values)
+            if new_keys is None:
+                new_keys = _codec.quantize(self.key_codec, keys)
+                new_values = _codec.quantize(self.value_codec, values)
+        except BaseException:
+            if fresh:  # a failed first write leaves no codecs behind
+                self.key_codec = self.value_codec = None
+            raise
 
         start, n_new = self._end, keys.shape[2]
         end = start + n_new
@@ -799,7 +782,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
                 "state must be (keys, values, offset, left_padding) as returned by .state"
             )
         keys, values, offset, left_padding = value
-        keys, values = _as_packed(keys), _as_packed(values)
+        keys, values = _checked_packed(keys, "keys"), _checked_packed(values, "values")
         offset = _int_list(offset, "state offset")
         left_padding = _padding_list(left_padding, "state left_padding", length=len(offset))
         if not offset:
@@ -840,6 +823,10 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             if keys is not None:
                 _check_packed_width(self.key_codec, keys, "keys")
                 _check_packed_width(self.value_codec, values, "values")
+        elif keys is not None and getattr(self, "key_codec", None) is not None:
+            # Codecs already built (a live cache): the state must be in their layout.
+            _check_packed_width(self.key_codec, keys, "keys")
+            _check_packed_width(self.value_codec, values, "values")
         self.keys = _packed.detach(keys) if keys is not None else None
         self.values = _packed.detach(values) if values is not None else None
         self.offset = mx.array(offset, dtype=mx.int32)
@@ -928,8 +915,9 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
     @classmethod
     def from_state(cls, state, meta_state) -> BatchTurboQuantKVCache:
         """Rebuild a cache, codecs included, from ``state`` and ``meta_state``."""
+        bits = _validate.meta_state(meta_state)[1]  # every field checked before anything is built
         obj = cls.__new__(cls)
-        TurboQuantKVCache.__init__(obj, bits=float(meta_state[1]))
+        TurboQuantKVCache.__init__(obj, bits=bits)
         obj.state = state
         obj.meta_state = meta_state
         return obj

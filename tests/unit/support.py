@@ -380,6 +380,12 @@ def observe(cache: BatchTurboQuantKVCache) -> dict:
         "meta_state": tuple(cache.meta_state),
         "mask": (tuple(mask.shape), np.array(mask).tobytes()),
         "config": (cache.bits, cache.key_bits, cache.value_bits, cache.seed),
+        "codecs": tuple(
+            None if c is None else (type(c).__name__, c.dim, c.bits)
+            for c in (cache.key_codec, cache.value_codec)
+        ),
+        "right_padding": None if cache._right_padding is None else cache._right_padding.tolist(),
+        "pending restore": getattr(cache, "_restoring", None),
     }
 
 
@@ -392,10 +398,13 @@ def assert_rejected(
     """``call()`` raises ``error`` whose message matches every regex in ``patterns``
     (case-insensitive), and leaves every observable of ``cache`` as it was."""
     before = observe(cache)
+    codecs = (cache.key_codec, cache.value_codec)
     with pytest.raises(error) as info:
         call()
     message = str(info.value)
     for pattern in patterns:
         assert re.search(pattern, message, re.IGNORECASE), (pattern, message)
     assert observe(cache) == before
+    # The codec objects themselves: a rejected call neither rebuilds nor swaps them.
+    assert (cache.key_codec, cache.value_codec) == codecs
     return info.value

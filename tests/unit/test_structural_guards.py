@@ -149,3 +149,16 @@ def test_a_write_quantizes_once_per_side_and_never_dequantizes(batch, tokens, rn
     ls.update(rng, tokens)
     assert codec_calls == Counter(quantize=2)
     ls.check()
+
+
+def test_a_write_trim_loop_keeps_its_buffers(rng):
+    """Speculative decoding writes a draft and trims the rejected part, step after step:
+    the buffers stay the ones allocated (no growth per round, no re-allocation)."""
+    ls = Lockstep.merge([6, 3], rng)
+    ls.update(rng, 1)
+    before = ls.tq.nbytes
+    for _ in range(40):
+        ls.update(rng, 3)
+        ls.trim(3)
+    assert ls.tq.nbytes == before
+    ls.check()
