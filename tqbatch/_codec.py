@@ -119,9 +119,17 @@ def unpack(words: mx.array, bits: int, dim: int) -> mx.array:
 # ------------------------------------------------------------------ codec ops
 
 
+# Below this many (coordinate, midpoint) pairs the count is one broadcast
+# comparison (3 ops; a decode step's write at 8 bits is 8*8*128*255 = 2M);
+# above it, a binary search keeps memory at the input's size (b steps).
+_BROADCAST_LIMIT = 2**23
+
+
 def _codes(codec, rotated: mx.array) -> mx.array:
-    """The number of midpoints below each coordinate (mlx-vlm's count), by binary search."""
+    """The number of midpoints below each coordinate (mlx-vlm's count)."""
     mids = codec._midpoints
+    if rotated.size * mids.shape[0] <= _BROADCAST_LIMIT:
+        return (rotated[..., None] > mids).astype(mx.uint32).sum(axis=-1).astype(mx.uint32)
     code = mx.zeros(rotated.shape, dtype=mx.uint32)
     for step in reversed(range(codec.bits)):
         candidate = code + (1 << step)

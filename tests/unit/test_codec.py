@@ -38,7 +38,9 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(("bits", "dim"), list(itertools.product(BITS, HEAD_DIMS)))
-def test_quantize_writes_mlx_vlm_bits_and_dequantize_its_floats(bits, dim):
+def test_quantize_writes_mlx_vlm_bits_and_dequantize_its_floats(bits, dim, monkeypatch):
+    if (bits + dim) % 2:  # half the grid through the binary search (large writes)
+        monkeypatch.setattr(_codec, "_BROADCAST_LIMIT", 0)
     codec = _TurboQuantMSECodec(dim, bits, seed=7)
     assert _codec.covers(codec)
     rng = np.random.default_rng(bits * 1000 + dim)
@@ -57,9 +59,13 @@ def test_quantize_writes_mlx_vlm_bits_and_dequantize_its_floats(bits, dim):
     )
 
 
+@pytest.mark.parametrize("search", ["broadcast", "binary"])
 @pytest.mark.parametrize("bits", BITS)
-def test_codes_on_a_midpoint_go_where_mlx_vlm_puts_them(bits):
-    """A rotated coordinate exactly on a midpoint (or the codebook's ends) gets mlx-vlm's code."""
+def test_codes_on_a_midpoint_go_where_mlx_vlm_puts_them(bits, search, monkeypatch):
+    """A rotated coordinate exactly on a midpoint (or the codebook's ends) gets mlx-vlm's code,
+    by either search (small inputs compare with every midpoint, large ones bisect)."""
+    if search == "binary":
+        monkeypatch.setattr(_codec, "_BROADCAST_LIMIT", 0)
     codec = _TurboQuantMSECodec(64, bits, seed=0)
     mids = np.array(codec._midpoints)
     book = np.array(codec.codebook)

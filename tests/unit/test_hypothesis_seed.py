@@ -22,7 +22,10 @@ def test_report():
 def _drawn(tmp_path, *args) -> str:
     probe = tmp_path / "test_probe.py"
     probe.write_text(PROBE)
-    env = dict(os.environ, CI="true", PYTHONPATH=str(ROOT))
+    # The project first, then whatever the caller's PYTHONPATH holds (an install
+    # made available that way, as on a staged GPU machine, must stay importable).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, CI="true", PYTHONPATH=path)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "conftest",
          "--rootdir", str(tmp_path), str(probe), *args],
