@@ -12,6 +12,7 @@ for 16 bits ~100 s), and a rejected call leaves the cache as it was.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from numbers import Integral, Real
 
 import mlx.core as mx
@@ -22,9 +23,11 @@ __all__ = [
     "MAX_SEED",
     "bits",
     "head_dim",
+    "int_list",
     "kv",
     "meta_state",
     "packed",
+    "padding_list",
     "seed",
     "side_bits",
 ]
@@ -103,6 +106,32 @@ def head_dim(value, name: str) -> int:
     if not 1 <= value <= MAX_HEAD_DIM:
         raise ValueError(f"{name} is {value}: expected 1 to {MAX_HEAD_DIM}")
     return value
+
+
+def int_list(values, name: str, *, length: int | None = None) -> list[int]:
+    """``values`` as a list of Python ints, or a ValueError/TypeError naming ``name``."""
+    if isinstance(values, mx.array):
+        values = values.tolist()
+    elif hasattr(values, "tolist"):  # numpy arrays
+        values = values.tolist()
+    if isinstance(values, Integral) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, Integral):
+            raise TypeError(f"{name} must contain ints, got {v!r}")
+        out.append(int(v))
+    if length is not None and len(out) != length:
+        raise ValueError(f"{name} has {len(out)} entries, the batch has {length} rows")
+    return out
+
+
+def padding_list(values, name: str, *, length: int | None = None) -> list[int]:
+    out = int_list(values, name, length=length)
+    negative = [v for v in out if v < 0]
+    if negative:
+        raise ValueError(f"{name} must be non-negative, got {out}")
+    return out
 
 
 def kv(

@@ -44,32 +44,6 @@ FULL_PRECISION_BATCHES = (lm_cache.BatchKVCache, vlm_cache.BatchKVCache)
 _CONFIGURED: dict[tuple[type, tuple], type] = {}
 
 
-def _int_list(values, name: str, *, length: int | None = None) -> list[int]:
-    """``values`` as a list of Python ints, or a ValueError/TypeError naming ``name``."""
-    if isinstance(values, mx.array):
-        values = values.tolist()
-    elif hasattr(values, "tolist"):  # numpy arrays
-        values = values.tolist()
-    if isinstance(values, Integral) or not isinstance(values, Sequence):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, Integral):
-            raise TypeError(f"{name} must contain ints, got {v!r}")
-        out.append(int(v))
-    if length is not None and len(out) != length:
-        raise ValueError(f"{name} has {len(out)} entries, the batch has {length} rows")
-    return out
-
-
-def _padding_list(values, name: str, *, length: int | None = None) -> list[int]:
-    out = _int_list(values, name, length=length)
-    negative = [v for v in out if v < 0]
-    if negative:
-        raise ValueError(f"{name} must be non-negative, got {out}")
-    return out
-
-
 def _config_of(cache: TurboQuantKVCache) -> tuple:
     return (cache.bits, cache.key_bits, cache.value_bits, cache.seed)
 
@@ -166,7 +140,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
     Args:
         left_padding: dead slots at the start of each row; its length is the
             batch size.
-        bits: TurboQuant bits per coordinate (integers 2-8 and halves).
+        bits: TurboQuant bits per coordinate (1 to 8, integers and halves).
         seed: codec seed; rows quantize exactly as a ``TurboQuantKVCache``
             with the same ``bits`` and ``seed``.
         key_bits, value_bits: integer overrides of the per-side bits.
@@ -189,7 +163,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         key_bits: float | None = None,
         value_bits: float | None = None,
     ):
-        padding = _padding_list(left_padding, "left_padding")
+        padding = _validate.padding_list(left_padding, "left_padding")
         if not padding:
             raise ValueError("left_padding must have one entry per row; got an empty list")
         bits, seed = _validate.bits(bits), _validate.seed(seed)
@@ -443,16 +417,16 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         """
         B = self.batch_size
         if left_padding is not None:
-            left = _padding_list(left_padding, "left_padding", length=B)
+            left = _validate.padding_list(left_padding, "left_padding", length=B)
             if self.keys is not None:
                 raise ValueError(
                     "left_padding can only be prepared on an empty cache "
                     f"(this one has {self._end} written slots)"
                 )
         if right_padding is not None:
-            right = _padding_list(right_padding, "right_padding", length=B)
+            right = _validate.padding_list(right_padding, "right_padding", length=B)
         if lengths is not None:
-            _padding_list(lengths, "lengths", length=B)
+            _validate.padding_list(lengths, "lengths", length=B)
         if left_padding is not None:
             left = mx.array(left, dtype=mx.int32)
             self.left_padding = self.left_padding + left
@@ -480,7 +454,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
     def filter(self, batch_indices):
         """Keep the rows ``batch_indices`` (in that order) and drop shared dead columns."""
         B = self.batch_size
-        keep = _int_list(batch_indices, "batch_indices")
+        keep = _validate.int_list(batch_indices, "batch_indices")
         if not keep:
             raise ValueError("filter needs at least one row index; got none")
         bad = [i for i in keep if not 0 <= i < B]
@@ -577,7 +551,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
                 f"extend: the {type(dense).__name__} has right padding pending; "
                 "call its finalize() first"
             )
-        padding = _padding_list(dense.left_padding, f"{type(dense).__name__} left_padding")
+        padding = _validate.padding_list(dense.left_padding, f"{type(dense).__name__} left_padding")
         converted = type(self)(
             padding,
             bits=self.bits,
@@ -593,7 +567,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             converted.update_and_fetch(keys, values)
         drift = [
             (o, c)
-            for o, c in zip(_int_list(dense.offset, "offset"), converted.offset.tolist())
+            for o, c in zip(_validate.int_list(dense.offset, "offset"), converted.offset.tolist())
             if o != c
         ]
         if drift:
@@ -783,8 +757,10 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             )
         keys, values, offset, left_padding = value
         keys, values = _checked_packed(keys, "keys"), _checked_packed(values, "values")
-        offset = _int_list(offset, "state offset")
-        left_padding = _padding_list(left_padding, "state left_padding", length=len(offset))
+        offset = _validate.int_list(offset, "state offset")
+        left_padding = _validate.padding_list(
+            left_padding, "state left_padding", length=len(offset)
+        )
         if not offset:
             raise ValueError("state has no rows")
         if (keys is None) != (values is None):
