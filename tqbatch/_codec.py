@@ -4,17 +4,19 @@ mlx-vlm's codecs find each coordinate's code with a loop over the 2^b - 1
 codebook midpoints and pack and unpack codes with a loop over the D
 coordinates: thousands of tiny graph nodes per call, which is the whole cost
 of a write or a decode step wherever mlx-vlm's Metal kernels do not replace
-them (the CPU, NVIDIA GPUs). Here the code search is a b-step binary search
-over the sorted midpoints and packing is one gather, shift and sum over
-precomputed bit positions. The floating-point steps (norms, rotations,
-codebook lookups) are the codec's own calls in the codec's order, so packed
-states are bit-identical to mlx-vlm's and dequantized tokens equal
+them (the CPU, NVIDIA GPUs). Here the code search is one broadcast comparison
+with the midpoints (or, for large inputs, a b-step binary search over them),
+packing is one gather, shift and sum over precomputed bit positions, and
+codebook lookups read a byte or half-word of codes at once. The floating-point
+steps (norms, rotations) are the codec's own calls in the codec's order and
+lookups return the codec's own codebook values, so packed states are
+bit-identical to mlx-vlm's and dequantized tokens equal
 (``tests/unit/test_codec.py``).
 
 ``covers(codec)`` is the one place that says what this module serves: mlx-vlm's
-MSE codec at integer bits 1-8, off Metal. Everything else (fractional bits'
-split codecs, and Metal, where mlx-vlm's kernels are bit-exact to themselves
-and fast) stays on mlx-vlm's path.
+MSE codec at integer bits 1-8, off Metal. Everything else stays on mlx-vlm's
+path: fractional bits' split codecs, and Metal, where mlx-vlm's fused kernels
+serve (fast there, and possibly rounding otherwise than these ops).
 """
 
 from __future__ import annotations
