@@ -72,44 +72,16 @@ class Geometry:
 
 @dataclass(frozen=True)
 class ParameterSet:
-    """A grid of geometries: one batch/heads/head_dim, several contexts and bit widths."""
-
-    name: str
-    batch: int
-    heads: int
-    head_dim: int
-    contexts: tuple[int, ...]
-    bits: tuple[int, ...]
-    rounds: int
-
-    def geometries(self) -> list[Geometry]:
-        return [
-            Geometry(self.batch, self.heads, self.head_dim, context, bits)
-            for bits in self.bits
-            for context in self.contexts
-        ]
-
-
-# The issue's geometry. Rounds are few: one decode step at 4096 tokens costs
-# about 2 s on a 2-core CPU.
-FULL = ParameterSet("full", 8, 8, 128, (512, 4096), (4, 8), rounds=5)
-# The default test run: the issue's geometry at its short context and 4 bits only
-# (a few seconds on CPU; the full grid takes minutes).
-SMALL = ParameterSet("small", 8, 8, 128, (512,), (4,), rounds=3)
-
-
-@dataclass(frozen=True)
-class DecodeGrid:
-    """The decode-step comparison: batch sizes x contexts x bit widths, GQA queries."""
+    """A grid of geometries: batch sizes x contexts x bit widths at one heads/head_dim."""
 
     name: str
     batches: tuple[int, ...]
     heads: int
-    query_heads: int
     head_dim: int
     contexts: tuple[int, ...]
     bits: tuple[int, ...]
     rounds: int
+    query_heads: int | None = None  # decode queries; None: one per KV head
 
     def geometries(self) -> list[Geometry]:
         return [
@@ -120,9 +92,18 @@ class DecodeGrid:
         ]
 
 
+# The issue's geometry. Rounds are few: one decode step at 4096 tokens costs
+# about 2 s on a 2-core CPU.
+FULL = ParameterSet("full", (8,), 8, 128, (512, 4096), (4, 8), rounds=5)
+# The default test run: the issue's geometry at its short context and 4 bits only
+# (a few seconds on CPU; the full grid takes minutes).
+SMALL = ParameterSet("small", (8,), 8, 128, (512,), (4,), rounds=3)
+
 # A decode step as models take it: 32 query heads over 8 KV heads, D = 128.
-DECODE_FULL = DecodeGrid("full", (1, 8), 8, 32, 128, (512, 4096, 16384), (4, 8), rounds=5)
-DECODE_SMALL = DecodeGrid("small", (8,), 8, 32, 128, (512,), (4,), rounds=3)
+DECODE_FULL = ParameterSet(
+    "decode-full", (1, 8), 8, 128, (512, 4096, 16384), (4, 8), rounds=5, query_heads=32
+)
+DECODE_SMALL = ParameterSet("decode-small", (8,), 8, 128, (512,), (4,), rounds=3, query_heads=32)
 
 PERF_ENV = "TQBATCH_PERF"
 
@@ -140,7 +121,7 @@ def selected_parameter_set() -> ParameterSet:
     return FULL if _full_run() else SMALL
 
 
-def selected_decode_grid() -> DecodeGrid:
+def selected_decode_grid() -> ParameterSet:
     """``DECODE_FULL`` when ``$TQBATCH_PERF`` is ``full``, else ``DECODE_SMALL``."""
     return DECODE_FULL if _full_run() else DECODE_SMALL
 
@@ -551,7 +532,7 @@ def compare(
 
 
 def compare_decode(
-    grid: DecodeGrid, impl: type | None = None, progress: Callable[[str], None] | None = None
+    grid: ParameterSet, impl: type | None = None, progress: Callable[[str], None] | None = None
 ) -> list[Row]:
     """Time a decode step (mask, write one token, attend) on both sides for each geometry."""
     impl = impl or load_impl()

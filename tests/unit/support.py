@@ -408,3 +408,10 @@ def assert_rejected(
     # The codec objects themselves: a rejected call neither rebuilds nor swaps them.
     assert (cache.key_codec, cache.value_codec) == codecs
     return info.value
+
+
+def then_still_in_lockstep(ls: Lockstep, rng):
+    """After a rejected call: the batch is still in lockstep, and still takes a write."""
+    ls.check()
+    ls.update(rng, 1)
+    ls.check()

@@ -11,15 +11,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, Rotatin
 from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatchTurboQuantKVCache
 from mlx_vlm.turboquant import TurboQuantKVCache, TurboQuantMSEState
 
-from .support import Impl, Lockstep, assert_rejected, normal, observe
-
-
-@pytest.fixture
-def batch(rng) -> Lockstep:
-    """A non-empty B=3 batch with left padding and spare capacity."""
-    ls = Lockstep.merge([5, 2, 3], rng)
-    ls.update(rng, 1)
-    return ls
+from .support import Impl, Lockstep, assert_rejected, normal, observe, then_still_in_lockstep
 
 
 @pytest.fixture(params=["filled", "empty"])
@@ -29,12 +21,6 @@ def any_batch(request, rng) -> Lockstep:
     ls = Lockstep.merge([5, 2, 3], rng)
     ls.update(rng, 1)
     return ls
-
-
-def then_still_in_lockstep(ls: Lockstep, rng):
-    ls.check()
-    ls.update(rng, 1)
-    ls.check()
 
 
 # ---------------------------------------------------------------- constructor

@@ -24,22 +24,7 @@ from mlx_vlm.turboquant import TurboQuantMSEState
 import tqbatch
 from tqbatch import load_batch_cache, save_batch_cache
 
-from .support import Impl, Lockstep, assert_rejected, normal, observe
-
-
-@pytest.fixture
-def batch(rng) -> Lockstep:
-    """A non-empty B=3 batch with left padding and spare capacity."""
-    ls = Lockstep.merge([5, 2, 3], rng)
-    ls.update(rng, 1)
-    return ls
-
-
-def still_works(ls: Lockstep, rng):
-    ls.check()
-    ls.update(rng, 1)
-    ls.check()
-
+from .support import Impl, Lockstep, assert_rejected, normal, observe, then_still_in_lockstep
 
 # ---------------------------------------------------------------- constructor
 
@@ -101,7 +86,7 @@ def test_update_rejects_inputs_of_the_wrong_kind(make, error, pattern, empty, rn
     ls = Lockstep.new([0, 1, 0]) if empty else Lockstep.merge([2, 4, 1], rng)
     keys = normal(rng, (3, 2, 2, 64))
     assert_rejected(ls.tq, lambda: ls.tq.update_and_fetch(make(keys), make(keys)), error, pattern)
-    still_works(ls, rng)
+    then_still_in_lockstep(ls, rng)
 
 
 @pytest.mark.parametrize("dim", [4096, 100_000])
@@ -113,7 +98,7 @@ def test_update_rejects_a_head_dim_no_codec_is_built_for(dim, rng):
     # No codec was built: building one at head_dim 4096 takes ~24 s. (Not a
     # timing goal; a structural bound 100x above the rejection's microseconds.)
     assert time.perf_counter() - start < 5.0
-    still_works(ls, rng)
+    then_still_in_lockstep(ls, rng)
 
 
 # ---------------------------------------------------------------- state
@@ -158,7 +143,7 @@ def test_state_setter_rejects_packed_states_of_the_wrong_kind(batch, case, rng):
         tq.state = (bad_keys, values, offset, left_padding)
 
     assert_rejected(tq, assign, error, pattern)
-    still_works(batch, rng)
+    then_still_in_lockstep(batch, rng)
 
 
 # ---------------------------------------------------------------- meta_state
@@ -198,7 +183,7 @@ def test_meta_state_setter_rejects_fields_before_building_anything(batch, case, 
         tq.meta_state = value
 
     assert_rejected(tq, assign, error, pattern)
-    still_works(batch, rng)
+    then_still_in_lockstep(batch, rng)
 
 
 @pytest.mark.parametrize("case", BAD_META)
