@@ -74,7 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except backend.BackendError as exc:
         print(f"tqbatch: {exc}", file=sys.stderr)
         return EXIT_BACKEND
-    return int(func(args) or 0)
+    from tqbatch.testing.impl import ImplSpecError
+
+    try:
+        return int(func(args) or 0)
+    except ImplSpecError as exc:  # a bad --impl / target: one line, the same for every command
+        print(f"tqbatch {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 def console_main() -> None:

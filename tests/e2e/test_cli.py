@@ -36,3 +36,25 @@ def test_models_command_fails_where_batchkvcache_passes(capsys):
     captured = capsys.readouterr()
     assert "attention output differs" in captured.out
     assert "where BatchKVCache passes" in captured.err
+
+
+BAD_TARGET = [
+    ["e2e", "--impl", "nope:Nope"],
+    ["fuzz", "--impl", "nope:Nope", "--examples", "1"],
+    ["bench", "--impl", "nope:Nope"],
+    ["models", "--impl", "nope:Nope"],
+    ["conformance", "nope:Nope"],
+    ["replay", "--impl", "nope:Nope", "tests/golden/21_no_idx_attribute.json"],
+    ["record", "--impl", "nope:Nope", "tests/golden/21_no_idx_attribute.json"],
+]
+
+
+def test_every_command_reports_a_bad_target_in_one_line(capsys):
+    """The same one-line error and exit code 2 for a target that does not load, everywhere."""
+    for argv in BAD_TARGET:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines() == [
+            f"tqbatch {argv[0]}: implementation 'nope:Nope' (from argument): cannot import "
+            "module 'nope': No module named 'nope'"
+        ], argv

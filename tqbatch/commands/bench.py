@@ -8,7 +8,7 @@ import sys
 from tqbatch import bench
 from tqbatch.commands import add_impl_argument
 from tqbatch.testing.backend import describe_line
-from tqbatch.testing.impl import ImplSpecError, capabilities
+from tqbatch.testing.impl import capabilities
 
 # Capabilities (tqbatch.testing.impl.capabilities) each timed op needs besides merge.
 _NEEDS = {
@@ -74,11 +74,7 @@ def run(args) -> int:
         except ImportError as err:
             print(f"tqbatch bench --plot: {err}", file=sys.stderr)
             return 2
-    try:
-        impl = bench.load_impl(args.impl)
-    except ImplSpecError as err:
-        print(f"tqbatch bench: {err}", file=sys.stderr)
-        return 2
+    impl = bench.load_impl(args.impl)  # a bad target: ImplSpecError, reported by tqbatch.cli
     caps = capabilities(impl)
     name = f"{impl.__module__}.{impl.__qualname__}"
     if not caps.get("merge"):

@@ -167,14 +167,10 @@ def run(args) -> int:
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tqbatch.testing.impl import ImplSpecError, load_impl, missing_capabilities
+    from tqbatch.testing.impl import load_impl, missing_capabilities
 
     console = Console(stderr=True)
-    try:
-        impl = load_impl(args.impl)
-    except ImplSpecError as exc:
-        console.print(f"[red]{exc}[/red]")
-        return EXIT_USAGE
+    impl = load_impl(args.impl)  # a bad target: ImplSpecError, reported by tqbatch.cli
     if args.workers < 1 or (args.examples is not None and args.examples < 1):
         console.print("[red]--workers and --examples must be positive[/red]")
         return EXIT_USAGE

@@ -104,14 +104,9 @@ def run(args: argparse.Namespace) -> int:
 
     from tqbatch.testing import matrix
     from tqbatch.testing.backend import describe_line
-    from tqbatch.testing.impl import ImplSpecError
 
     console = Console(stderr=True)
-    try:
-        targets = _targets(args)
-    except ImplSpecError as exc:
-        console.print(f"[red]{exc}[/red]")
-        return EXIT_USAGE
+    targets = _targets(args)  # a bad target: ImplSpecError, reported by tqbatch.cli
     total = len(args.families) * len(args.scenarios) * len(targets)
     with Progress(
         TextColumn("{task.description}"),
