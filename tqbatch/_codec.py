@@ -27,6 +27,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.turboquant import _EPS, TurboQuantMSEState, _TurboQuantMSECodec
 
+from tqbatch._masks import CausalRows
+
 __all__ = ["attend", "covers", "dequantize", "pack", "quantize", "unpack"]
 
 # quantize/dequantize/attend take any codec and fall back to mlx-vlm's own
@@ -207,9 +209,10 @@ def attend(
     scaled query is rotated once into the key basis and scored against each
     key's codebook vector times its norm; the softmax weights times the value
     norms sum the value codebook vectors, rotated back once. ``mask``: None,
-    ``"causal"``, or a boolean or additive array broadcastable to
-    (B, Hq, L, T). Returns (B, Hq, L, Dv) in the queries' dtype, or None
-    where the codecs or states are not served here (the caller falls back).
+    ``"causal"``, a ``CausalRows`` (left-padded causal rows as numbers), or
+    a boolean or additive array broadcastable to (B, Hq, L, T). Returns
+    (B, Hq, L, Dv) in the queries' dtype, or None where the codecs or states
+    are not served here (the caller falls back).
     """
     if not (covers(key_codec) and covers(value_codec)):
         return None
@@ -227,6 +230,13 @@ def attend(
         if mask != "causal":
             raise ValueError(f"attention mask {mask!r}: only 'causal' is a named mask")
         mask = mx.arange(T)[None] <= (mx.arange(L)[:, None] + (T - L))
+    elif isinstance(mask, CausalRows):
+        if mask.offset + L != T:
+            raise ValueError(
+                f"causal rows from offset {mask.offset} cover {mask.offset + L} keys for "
+                f"{L} queries; the state holds {T}"
+            )
+        mask = mask.allowed(L)
     if mask is not None:
         mask = _grouped(mask, n_kv, group)
         if mask.dtype == mx.bool_:

@@ -30,7 +30,7 @@ from mlx_vlm.turboquant import (
     _QuantizedStateProxy,
 )
 
-from tqbatch import _codec, _packed, _validate
+from tqbatch import _codec, _masks, _packed, _validate
 
 __all__ = ["BatchTurboQuantKVCache", "BatchableTurboQuantKVCache"]
 
@@ -106,6 +106,11 @@ def _restore_pickled(cls):
 
 def _unwrap(state):
     return state._state if isinstance(state, _QuantizedStateProxy) else state
+
+
+def _mask_array(mask, n_queries: int):
+    """``mask`` as mlx-vlm's attention paths take it: causal rows become their array."""
+    return mask.allowed(n_queries) if isinstance(mask, _masks.CausalRows) else mask
 
 
 def _as_packed(state):
@@ -325,13 +330,24 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         window_size: int | None = None,
         **kwargs,
     ):
-        """The (B, 1, N, size() + N) boolean mask for the next ``N`` queries, as BatchKVCache."""
-        return create_causal_mask(
+        """The (B, 1, N, size() + N) boolean mask for the next ``N`` queries, as BatchKVCache.
+
+        The cache remembers the array (``tqbatch._masks``): passed back to its
+        attention untouched, it is attended as per-row start offsets.
+        """
+        rows = _masks.CausalRows(self.left_padding, self._end, window_size)
+        mask = create_causal_mask(
             N, offset=self._end, left_padding=self.left_padding, window_size=window_size
         )
+        return _masks.remember(mask, rows)
 
     def _attention_mask(self, queries: mx.array, keys_state, mask):
         """The mask to attend with: ``mask``, completed where model code left it short.
+
+        Where the mask is the cache's own causal mask over its left-padded
+        rows (an array ``make_mask`` made, or one completed here), it is
+        returned as ``_masks.CausalRows``: a start per row instead of a
+        (B, 1, L, T) array.
 
         * None at decode while rows hold left padding: every written slot,
           padding included, would be attended. mlx-vlm's qwen3_5 passes None
@@ -349,19 +365,22 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         if self.keys is None:
             return mask
         length = _packed.length(_unwrap(keys_state)) if keys_state is not None else self._end
+        made = _masks.made_by_cache(mask)
+        if made is not None and made.offset + n == length and mask.shape[-2] == n:
+            return made
         # Each branch reads the padding (a device sync) only on its rare path:
         # a decode step with a mask as wide as the keys costs nothing here.
         if mask is None:
             if n != 1 or not bool((self.left_padding > 0).any()):
                 return mask
-            return create_causal_mask(1, offset=length - 1, left_padding=self.left_padding)
+            return _masks.CausalRows(self.left_padding, length - 1)
         if isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.shape[-1] < length:
             # Sized as max(offset) + 1 + L, a mask misses min(left_padding) - 1
             # columns: never more than the padding every row shares. A mask short
             # by more is not a cut one and is left for the attention to refuse.
             if length - mask.shape[-1] < int(mx.min(self.left_padding).item()):
-                own = create_causal_mask(n, offset=length - n, left_padding=self.left_padding)
-                cut = own[..., : mask.shape[-1]]
+                own = _masks.CausalRows(self.left_padding, length - n)
+                cut = own.allowed(n)[..., : mask.shape[-1]]
                 if mask.shape == cut.shape and bool(mx.array_equal(mask, cut)):
                     return own
         return mask
@@ -385,6 +404,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         out = self._attend(queries, keys_state, values_state, scale, mask)
         if out is not None:
             return out
+        mask = _mask_array(mask, queries.shape[-2])
         return super().decode_attention(queries, keys_state, values_state, scale, mask)
 
     def prefill_attention(self, queries, keys_state=None, values_state=None, scale=1.0, mask=None):
@@ -392,6 +412,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         out = self._attend(queries, keys_state, values_state, scale, mask)
         if out is not None:
             return out
+        mask = _mask_array(mask, queries.shape[-2])
         out = super().prefill_attention(queries, keys_state, values_state, scale, mask)
         if out is not None:
             return out

@@ -13,7 +13,6 @@ import mlx.core as mx
 import pytest
 
 import tqbatch
-from tqbatch.testing import ops as ops_module
 from tqbatch.testing.checks import CHECKS, CheckFailure, KnownFailure, failure
 from tqbatch.testing.mutants import CATCHES, FilterWithoutCompaction
 from tqbatch.testing.ops import World
@@ -80,11 +79,6 @@ def _corrupt_model(world):
     world.model.rows[0].left_padding += 1  # the numpy model now disagrees with BatchKVCache
 
 
-def _tiny_fp_bound(monkeypatch):
-    # Shown live by a bound no codec can meet: the check compares and fails.
-    monkeypatch.setattr(ops_module, "fp_attention_bound", lambda kb, vb: 1e-9)
-
-
 # check -> (cache class, ops, prepare(world) or None, patch(monkeypatch) or None)
 SHOWN = {
     "read": (MaskRaises, PREFILL, None, None),
@@ -98,7 +92,6 @@ SHOWN = {
     ),
     "trim_count": (TrimMiscounts, [*PREFILL, {"op": "trim", "n": 1}], None, None),
     "attention": (AttentionScaled, [*PREFILL, DECODE], None, None),
-    "fp_attention": (Base, [*PREFILL, DECODE], None, _tiny_fp_bound),
     "error_type": (
         FilterEmptyIsTypeError,
         [*PREFILL, _bad("filter-empty", {"op": "filter", "indices": []}, "ValueError")],

@@ -18,7 +18,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 import tqbatch
 from tqbatch.testing.impl import ImplSpecError, capabilities, load_impl
 from tqbatch.testing.model import attention, causal_mask
-from tqbatch.testing.ops import World, fp_attention_bound
+from tqbatch.testing.ops import World
 
 
 @given(
@@ -166,9 +166,18 @@ def test_expect_error_detects_acceptance():
         run(tqbatch.BatchTurboQuantKVCache, ops)
 
 
+# Worst RMS error of TurboQuant attention against full precision, measured over
+# 150 random cases per width (unit-normal K/V/queries, B=1, H=2, Hq=4, D in
+# {32, 64}, 1-48 tokens, 1-4 queries). The harness's verdicts do not rest on it
+# (a cache is compared with a per-request TurboQuant reference, which decides
+# everything this could); it guards the reference itself: mlx-vlm's codec must
+# stay about as accurate as the paper's ~2**-b distortion says.
+MEASURED_FP_RMS_ERROR = {2: 0.36, 4: 0.11}
+
+
 @pytest.mark.parametrize("bits", [2, 4])
-def test_fp_attention_bound_holds_on_fresh_draws(bits):
-    """Re-sample the measurement behind fp_attention_bound (different draws)."""
+def test_turboquant_attention_stays_near_full_precision_on_fresh_draws(bits):
+    """Re-sample the measurement (other draws): within twice the worst measured error."""
     rng = np.random.default_rng(2026 + bits)
     worst = 0.0
     for _ in range(40):
@@ -186,7 +195,7 @@ def test_fp_attention_bound_holds_on_fresh_draws(bits):
         )
         fp = attention(q[0], k[0], v[0], m[0, 0], D**-0.5)
         worst = max(worst, math.sqrt(float(np.mean((out[0] - fp) ** 2))))
-    bound = fp_attention_bound(bits, bits)
+    bound = 2.0 * MEASURED_FP_RMS_ERROR[bits]
     assert worst <= bound
     # And the bound is informative: attending to unrelated values is outside it.
     assert bound < 0.8

@@ -33,6 +33,8 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
+from tqbatch.testing.rounding import AdmissibleCodes
+
 __all__ = ["DenseOracle", "TurboReferences", "to_numpy"]
 
 
@@ -176,12 +178,19 @@ class TurboReferences:
         self.config = dict(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
         self._codecs: tuple | None = None  # (key codec, value codec), built on the first tokens
         self._tokens: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # The full-precision tokens behind each request's reference, for
+        # admit_rounding; and the admissible-code models of the two codecs.
+        self._entered: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._admissible: tuple | None = None
+        # Tokens whose reference took a cache's other rounding choice (see admit_rounding).
+        self.admitted = 0
 
     def new(self, request_id: int):
         self._tokens[request_id] = None
 
     def absorb(self, other: TurboReferences):
         self._tokens.update(other._tokens)
+        self._entered.update(other._entered)
 
     def append(self, request_id: int, keys: np.ndarray, values: np.ndarray):
         """Append (H, T, D) float32 tokens to one request."""
@@ -196,17 +205,11 @@ class TurboReferences:
         values = np.concatenate([v for _, _, v in items], axis=1)[None]
         new_k, new_v = self._round_trip(mx.array(keys), mx.array(values))
         start = 0
-        for rid, k, _ in items:
+        for rid, k, v in items:
             stop = start + k.shape[1]
-            held = self._tokens[rid]
-            add_k, add_v = new_k[:, start:stop], new_v[:, start:stop]
-            if held is not None:
-                add_k = np.concatenate([held[0], add_k], axis=1)
-                add_v = np.concatenate([held[1], add_v], axis=1)
-            self._tokens[rid] = (
-                _frozen(np.ascontiguousarray(add_k)),
-                _frozen(np.ascontiguousarray(add_v)),
-            )
+            new = new_k[:, start:stop], new_v[:, start:stop]
+            self._tokens[rid] = _appended(self._tokens[rid], *new)
+            self._entered[rid] = _appended(self._entered.get(rid), k, v)
             start = stop
 
     def _round_trip(self, keys: mx.array, values: mx.array):
@@ -222,10 +225,48 @@ class TurboReferences:
         return to_numpy(k[0]), to_numpy(v[0])
 
     def trim(self, request_id: int, n: int):
-        held = self._tokens[request_id]
-        if n > 0 and held is not None:
-            keep = max(0, held[0].shape[1] - n)
-            self._tokens[request_id] = (_frozen(held[0][:, :keep]), _frozen(held[1][:, :keep]))
+        for store in (self._tokens, self._entered):
+            held = store.get(request_id)
+            if n > 0 and held is not None:
+                keep = max(0, held[0].shape[1] - n)
+                store[request_id] = (_frozen(held[0][:, :keep]), _frozen(held[1][:, :keep]))
+
+    def admit_rounding(self, request_id: int, side: str, got: np.ndarray, tol: np.ndarray) -> int:
+        """Take a cache's tokens where they differ from the reference only as rounding allows.
+
+        ``side``: "keys" or "values"; ``got``: (H, T', D) dequantized tokens
+        of the request as a cache holds them (T' <= its length: a prefix);
+        ``tol``: their per-token bound (``content_tolerance``). Where a token
+        of ``got`` is past ``tol`` from the reference but is the
+        dequantization of codes and a norm that float rounding lets a
+        correct quantizer choose (``tqbatch.testing.rounding``), the
+        reference holds ``got``'s token from now on, so that every later
+        check (rows, attention, extract) compares the cache with its own
+        legitimate choice. Returns how many tokens were taken.
+        """
+        held, entered = self._tokens[request_id], self._entered.get(request_id)
+        if held is None or entered is None or self._codecs is None:
+            return 0
+        i = 0 if side == "keys" else 1
+        n = got.shape[1]
+        want = held[i][:, :n]
+        if got.shape != want.shape:
+            return 0
+        differs = (np.abs(got - want) > tol).any(axis=-1)
+        if not differs.any():
+            return 0
+        if self._admissible is None:
+            self._admissible = tuple(AdmissibleCodes(c) for c in self._codecs)
+        admitted = differs & self._admissible[i].admits(got, entered[i][:, :n], tol)
+        if not admitted.any():
+            return 0
+        taken = np.array(held[i])
+        taken[:, :n][admitted] = got[admitted]
+        self._tokens[request_id] = (
+            (_frozen(taken), held[1]) if i == 0 else (held[0], _frozen(taken))
+        )
+        self.admitted += int(admitted.sum())
+        return int(admitted.sum())
 
     def length(self, request_id: int) -> int:
         held = self._tokens[request_id]
@@ -237,6 +278,15 @@ class TurboReferences:
         if held is None or held[0].shape[1] == 0:
             return None, None
         return held
+
+
+def _appended(held, keys: np.ndarray, values: np.ndarray):
+    """``held`` (keys, values) with (H, T, D) tokens appended along T, frozen."""
+    if held is not None:
+        keys = np.concatenate([held[0], keys], axis=1)
+        values = np.concatenate([held[1], values], axis=1)
+    # Copies: the caller's arrays must not be frozen with ours.
+    return _frozen(np.array(keys, np.float32)), _frozen(np.array(values, np.float32))
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

@@ -1,0 +1,66 @@
+"""The batch's causal mask as numbers (a start per row), and the masks the cache made.
+
+A batch cache's mask is causal over left-padded rows: query ``l`` of row
+``b`` sees key columns ``starts[b] <= t <= offset + l``. Model code receives
+it as a (B, 1, L, T) boolean array from ``make_mask`` and hands that array to
+every layer's attention. ``CausalRows`` says the same in B + 2 numbers, which
+is what a fused attention kernel takes (mlx-vlm's Metal kernels, for one, run
+only where no mask array is given). The cache remembers each array it made,
+by identity, with the ``CausalRows`` it was made from, so its attention can
+attend with the numbers whenever model code passes that array on untouched;
+any other mask (sliced, combined, made elsewhere) stays an array.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+__all__ = ["CausalRows", "made_by_cache", "remember"]
+
+
+@dataclass(frozen=True)
+class CausalRows:
+    """Causal attention over left-padded rows, as mlx-lm's ``create_causal_mask`` builds it.
+
+    ``starts``: (B,) int32, the first live column of each row (its left
+    padding). ``offset``: the column of the first query's own token, so the
+    mask has ``offset + L`` columns for ``L`` queries. ``window``: a sliding
+    window, or None.
+    """
+
+    starts: mx.array
+    offset: int
+    window: int | None = None
+
+    def allowed(self, n_queries: int) -> mx.array:
+        """The boolean mask, broadcastable to (B, 1, n_queries, offset + n_queries)."""
+        cols = mx.arange(self.offset + n_queries)[None]
+        rows = mx.arange(self.offset, self.offset + n_queries)[:, None]
+        allowed = rows >= cols
+        if self.window is not None:
+            allowed = allowed & (rows < cols + self.window)
+        return allowed & (self.starts.reshape(-1, 1, 1, 1) <= cols)
+
+
+# id(mask array) -> (weak reference to it, the CausalRows it was made from).
+# Entries go when the array does; the identity check on lookup guards
+# against an id reused by a later object.
+_made: dict[int, tuple[weakref.ref, CausalRows]] = {}
+
+
+def remember(mask: mx.array, rows: CausalRows) -> mx.array:
+    """Record that ``mask`` is exactly ``rows.allowed(L)``; returns ``mask``."""
+    key = id(mask)
+    _made[key] = (weakref.ref(mask, lambda _ref, key=key: _made.pop(key, None)), rows)
+    return mask
+
+
+def made_by_cache(mask) -> CausalRows | None:
+    """The ``CausalRows`` a mask array was made from, or None for any other mask."""
+    entry = _made.get(id(mask))
+    if entry is None or entry[0]() is not mask:
+        return None
+    return entry[1]
