@@ -182,3 +182,37 @@ def latest(session: nox.Session) -> None:
     session.run(
         "pytest", "--hypothesis-profile", "ci", *session.posargs, env=_backend_env(CI="true")
     )
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The whole harness on an NVIDIA GPU (MLX's CUDA build), at float32 and at TF32.
+
+    Linux with a CUDA 13 driver. Installs tqbatch, swaps MLX's CPU build for
+    ``mlx[cuda13]`` of the same version, then runs ``scripts/gpu-suite.sh``
+    (the test suite, ``tqbatch fuzz --examples 200``, ``e2e``, ``models``,
+    ``bench --full`` and ``bench --decode --full``) once per precision. Logs
+    and one summary per precision go to ``gpu-run/`` (or the directory given
+    after ``--``). Fails if a step failed at float32; TF32 outcomes are
+    reported, not gated (see the README's "On a GPU").
+    """
+    if not sys.platform.startswith("linux"):
+        session.error("MLX's CUDA build is for Linux")
+    _install_test(session)
+    version = session.run(
+        "python",
+        "-c",
+        "import importlib.metadata as m; print(m.version('mlx'))",
+        silent=True,
+    ).strip()
+    # The CPU and CUDA builds ship the same library files: one at a time.
+    session.run("python", "-m", "pip", "uninstall", "--yes", "mlx-cpu")
+    session.install(f"mlx[cuda13]=={version}")
+    out = session.posargs[0] if session.posargs else "gpu-run"
+    for precision in ("float32", "tf32"):
+        session.run("bash", "scripts/gpu-suite.sh", precision, out, success_codes=[0, 1])
+    session.log(f"logs and summaries in {out}/")
+    with open(os.path.join(out, "summary-float32.txt")) as summary:
+        failed = [line for line in summary if " rc=" in line and " rc=0 " not in line]
+    if failed:
+        session.error("failed at float32: " + "; ".join(line.split()[0] for line in failed))

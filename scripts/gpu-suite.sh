@@ -6,13 +6,14 @@
 # PRECISION: float32 (MLX_ENABLE_TF32=0) or tf32 (what CUDA and Apple M5 GPUs serve with).
 # STEPs (default: all, in this order):
 #   pytest  the default test suite (the README's test command), on $WORKERS xdist workers
-#   fuzz    tqbatch fuzz --examples 200
+#   fuzz    tqbatch fuzz --examples 200 (over $FUZZ_WORKERS processes, default 1)
 #   e2e     tqbatch e2e
 #   models  tqbatch models (the model-family matrix)
 #   bench   tqbatch bench --full, then tqbatch bench --decode --full
 # Each step writes OUTDIR/<step>-<precision>.log; OUTDIR/summary-<precision>.txt gets one
-# line per step: its exit code and wall time. $STEP_TIMEOUT (seconds) bounds each step. The script runs every step whatever the
-# earlier ones returned, and exits non-zero if any failed.
+# line per step: its exit code and wall time; $STEP_TIMEOUT (seconds) bounds each step.
+# The script runs every step whatever the earlier ones returned, and exits non-zero if any
+# failed.
 #
 # It runs `python3 -m tqbatch` and `python3 -m pytest` from the project root with whatever
 # MLX the interpreter imports: `nox -s gpu` installs MLX's CUDA build and calls it; on a
@@ -36,7 +37,7 @@ status=0
 for step in "${steps[@]}"; do
     case "$step" in
         pytest) cmd=("$PY" -m pytest -p no:cacheprovider -n "${WORKERS:-8}" -q) ;;
-        fuzz) cmd=("$PY" -m tqbatch fuzz --examples 200) ;;
+        fuzz) cmd=("$PY" -m tqbatch fuzz --examples 200 --workers "${FUZZ_WORKERS:-1}") ;;
         e2e) cmd=("$PY" -m tqbatch e2e) ;;
         models) cmd=("$PY" -m tqbatch models) ;;
         bench) cmd=(bash -c "'$PY' -m tqbatch bench --full && '$PY' -m tqbatch bench --decode --full") ;;

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
                 table.add_row(family, scenario, *(c.brief(40) for c in cells_here))
         Console().print(table)
         for cell in cells:
-            if cell.status in ("FAIL", "ERROR"):
+            if cell.status in ("FAIL", "ERROR", "NONDET"):
                 print(f"{cell.target} / {cell.family} / {cell.scenario}: {cell.short()}")
 
     failed = regressions(cells, targets[0].name)
