@@ -172,3 +172,15 @@ def test_a_cache_that_rounds_otherwise_passes_where_it_failed_before(bits, monke
 def test_a_cache_past_the_band_still_fails(bits):
     with pytest.raises(AssertionError, match="dequantized (keys|values) differ"):
         _run(RoundsFarOtherwise, bits)
+
+
+def test_a_campaign_counts_the_rounding_choices_it_admitted():
+    from tqbatch.testing.campaign import run_campaign
+
+    result = run_campaign(RoundsOtherwise, examples=8, profile="ci", seed=0)
+    assert result.failures == []
+    assert result.rounding_admitted > 0
+    assert (
+        run_campaign(tqbatch.BatchTurboQuantKVCache, examples=8, profile="ci").rounding_admitted
+        == 0
+    )

@@ -248,6 +248,7 @@ def _print_summary(result, target, backend, missing) -> None:
     for name, n in sorted(result.op_counts.items()):
         table.add_row(f"  op {name}", str(n))
     table.add_row("op pairs covered", str(len(result.pair_counts)))
+    table.add_row("rounding choices admitted", str(result.rounding_admitted))
     for shard in sorted(result.shards, key=lambda s: s["shard"]):
         table.add_row(
             f"  shard {shard['shard']}",

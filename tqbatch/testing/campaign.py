@@ -103,6 +103,9 @@ class CampaignResult:
     shrink_runs: int = 0
     op_counts: dict = field(default_factory=dict)
     pair_counts: dict = field(default_factory=dict)
+    # Tokens whose reference took the target's other rounding choice of a
+    # code or norm (tqbatch.testing.rounding), over generated examples.
+    rounding_admitted: int = 0
     failures: list = field(default_factory=list)
     seconds: float = 0.0
     rounds: int = 0
@@ -119,6 +122,7 @@ class CampaignResult:
         self.examples += other.examples
         self.shrink_runs += other.shrink_runs
         self.rounds += other.rounds
+        self.rounding_admitted += other.rounding_admitted
         for name, n in other.op_counts.items():
             self.op_counts[name] = self.op_counts.get(name, 0) + n
         for pair, n in other.pair_counts.items():
@@ -165,11 +169,11 @@ class _Counter:
 
     def __init__(self, result: CampaignResult, on_example):
         self.result, self.on_example = result, on_example
-        self.pending: tuple[dict, dict] | None = None
+        self.pending: tuple[dict, dict, int] | None = None
         self.observed = False
 
-    def example_done(self, ops: dict, pairs: dict):
-        self.pending = (ops, pairs)
+    def example_done(self, ops: dict, pairs: dict, admitted: int = 0):
+        self.pending = (ops, pairs, admitted)
         if not self.observed:
             self._count(generated=True)
 
@@ -183,10 +187,11 @@ class _Counter:
     def _count(self, generated: bool):
         if self.pending is None:
             return
-        ops, pairs = self.pending
+        ops, pairs, admitted = self.pending
         self.pending = None
         if generated:
             self.result.examples += 1
+            self.result.rounding_admitted += admitted
             for name, n in ops.items():
                 self.result.op_counts[name] = self.result.op_counts.get(name, 0) + n
             for pair, n in pairs.items():
@@ -251,8 +256,11 @@ def run_campaign(
             ops_before, pairs_before = self._before
             ops = {k: v - ops_before.get(k, 0) for k, v in type(self).op_counts.items()}
             pairs = {k: v - pairs_before.get(k, 0) for k, v in type(self).pair_counts.items()}
+            world = self.world
             counter.example_done(
-                {k: v for k, v in ops.items() if v}, {k: v for k, v in pairs.items() if v}
+                {k: v for k, v in ops.items() if v},
+                {k: v for k, v in pairs.items() if v},
+                world.refs.admitted if world is not None else 0,
             )
 
     add, remove = _observability()

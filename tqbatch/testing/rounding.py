@@ -25,9 +25,10 @@ The rounding band (:func:`rotation_error`): each route computes the norm
 rotated coordinate is off the exact one by at most ``2·e`` with
 ``e = inner_product_error(D + 1)`` (``tqbatch.testing.tolerances``). Two
 routes can choose different codes only where the exact value is within that
-of a midpoint. In numbers at D = 128: 8.5e-6 at float32 against codebook
-intervals of ~2e-2 (4 bits) and ~1.4e-3 (8 bits); ~4e-3 at TF32, where at
-8 bits nearly every coordinate may move by one interval (and no further).
+of a midpoint. In numbers at D = 128: 1.1e-5 at float32, against codebook
+intervals of 2.2e-2 to 5.7e-2 at 4 bits and 8.5e-4 to 4.1e-2 at 8 bits;
+3.9e-3 at TF32, where at 8 bits most central coordinates may move by one
+interval (and no further).
 """
 
 from __future__ import annotations
