@@ -854,7 +854,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
 
     @meta_state.setter
     def meta_state(self, value):
-        """Set after ``state`` (mlx-lm's ``from_state``), or before it (omlx's restore).
+        """Set after ``state`` (mlx-vlm's ``from_state``), or before it (omlx's restore).
 
         After: the meta_state must describe the state held. Before, or on an
         empty cache: the configuration (bits, seed, codecs) is taken now, and

@@ -15,6 +15,11 @@ function of (head_dim, bits, seed), so a batch row must hold exactly the
 packed bits that the single-request cache holds: packed states are compared
 bit for bit, dequantized values within the rounding bounds of
 ``tqbatch.testing.tolerances``.
+
+Why a driver beside the harness's ``tqbatch.testing.ops.World``: ``World``
+judges any implementation from the outside (values it can read through the
+public API, rounding choices admitted), while these unit tests look inside
+tqbatch's own cache, comparing its packed bits with a single-request cache's.
 """
 
 from __future__ import annotations
