@@ -14,7 +14,7 @@ any other mask (sliced, combined, made elsewhere) stays an array.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -34,9 +34,18 @@ class CausalRows:
     starts: mx.array
     offset: int
     window: int | None = None
+    # The array these numbers describe, where one exists already (a mask
+    # make_mask made, attached for one attention call, never kept in the
+    # record of made masks): allowed() hands it out instead of rebuilding it.
+    array: mx.array | None = field(default=None, compare=False, repr=False)
 
     def allowed(self, n_queries: int) -> mx.array:
         """The boolean mask, broadcastable to (B, 1, n_queries, offset + n_queries)."""
+        if self.array is not None and self.array.shape[-2:] == (
+            n_queries,
+            self.offset + n_queries,
+        ):
+            return self.array
         cols = mx.arange(self.offset + n_queries)[None]
         rows = mx.arange(self.offset, self.offset + n_queries)[:, None]
         allowed = rows >= cols

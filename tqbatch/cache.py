@@ -16,6 +16,7 @@ request alone.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from numbers import Integral
 
@@ -367,7 +368,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         length = _packed.length(_unwrap(keys_state)) if keys_state is not None else self._end
         made = _masks.made_by_cache(mask)
         if made is not None and made.offset + n == length and mask.shape[-2] == n:
-            return made
+            return dataclasses.replace(made, array=mask)
         # Each branch reads the padding (a device sync) only on its rare path:
         # a decode step with a mask as wide as the keys costs nothing here.
         if mask is None:

@@ -79,6 +79,7 @@ def test_the_cache_attends_its_own_mask_as_row_starts_with_the_same_floats(
     assert isinstance(seen[0], _masks.CausalRows)
     np.testing.assert_array_equal(to_numpy(seen[0].starts), to_numpy(tq.left_padding))
     assert seen[0].offset + queries == tq.size()
+    assert seen[0].array is mask  # the array already made is reused, not rebuilt
     assert seen[1] is copy
     # Same codes, same boolean mask, same ops: the very same floats.
     np.testing.assert_array_equal(to_numpy(by_rows), to_numpy(by_array))
