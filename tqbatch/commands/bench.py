@@ -8,7 +8,7 @@ import sys
 from tqbatch import bench
 from tqbatch.commands import add_impl_argument
 from tqbatch.testing.backend import describe_line
-from tqbatch.testing.impl import capabilities
+from tqbatch.testing.impl import capabilities, impl_spec
 
 # Capabilities (tqbatch.testing.impl.capabilities) each timed op needs besides merge.
 _NEEDS = {
@@ -76,7 +76,7 @@ def run(args) -> int:
             return 2
     impl = bench.load_impl(args.impl)  # a bad target: ImplSpecError, reported by tqbatch.cli
     caps = capabilities(impl)
-    name = f"{impl.__module__}.{impl.__qualname__}"
+    name = impl_spec(impl)
     if not caps.get("merge"):
         print(
             f"tqbatch bench: every workload starts from merge() of single-request caches; "
@@ -117,7 +117,7 @@ def run(args) -> int:
     )
     print(f"backend: {describe_line(args.backend)}")
     print(
-        f"target: {impl.__module__}.{impl.__qualname__}; median of {parameters.rounds} rounds"
+        f"target: {impl_spec(impl)}; median of {parameters.rounds} rounds"
         f" ({bench.OVERHEAD_ROUNDS_FACTOR * parameters.rounds} for decode-overhead),"
         " sides alternating"
     )

@@ -102,7 +102,8 @@ def _line(row) -> str:
 
 def _save(result, impl, args) -> None:
     from tqbatch.testing.campaign import save_failures
+    from tqbatch.testing.impl import impl_spec
 
-    options = {"impl": f"{impl.__module__}:{impl.__qualname__}", "survey": True}
+    options = {"impl": impl_spec(impl), "survey": True}
     options.update(examples=args.examples, seed=args.seed, profile=args.profile)
     save_failures(result, args.out, backend=args.backend, options=options)

@@ -37,7 +37,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqbatch.testing.impl import load_impl
+    from tqbatch.testing.impl import impl_spec, load_impl
 
     impl = load_impl(args.impl)
     if args.layers < 2:
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     print(spec.describe())
     print(f"backend: {describe_line(args.backend)}")
     print(
-        f"cache: {impl.__module__}.{impl.__qualname__}, {args.bits:g} bits, seed {args.seed}; "
+        f"cache: {impl_spec(impl)}, {args.bits:g} bits, seed {args.seed}; "
         f"layer {spec.num_layers - 1} dense (mlx-lm BatchKVCache)"
     )
     result = run_scenario(

@@ -167,7 +167,7 @@ def run(args) -> int:
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tqbatch.testing.impl import load_impl, missing_capabilities
+    from tqbatch.testing.impl import impl_spec, load_impl, missing_capabilities
 
     console = Console(stderr=True)
     impl = load_impl(args.impl)  # a bad target: ImplSpecError, reported by tqbatch.cli
@@ -176,7 +176,7 @@ def run(args) -> int:
         return EXIT_USAGE
     if args.examples is None and args.minutes is None:
         args.minutes = 2.0
-    target = f"{impl.__module__}:{impl.__qualname__}"
+    target = impl_spec(impl)
     missing = missing_capabilities(impl)
     if missing:
         console.print(f"{target} lacks {', '.join(missing)}: those rules are skipped")

@@ -57,13 +57,13 @@ def register(subparsers) -> None:
 
 def _targets(args):
     from tqbatch.testing import matrix
-    from tqbatch.testing.impl import load_impl
+    from tqbatch.testing.impl import impl_spec, load_impl
 
     impl = load_impl(args.impl)
     if args.impl is None and impl.__module__.startswith("tqbatch.cache"):
         main = matrix.target_for("tqbatch")
     else:
-        main = matrix.Target(f"{impl.__module__}:{impl.__qualname__}", impl)
+        main = matrix.Target(impl_spec(impl), impl)
     names = [BASELINE] if BASELINE not in args.compare else []
     return [main] + [matrix.target_for(n) for n in args.compare + names]
 

@@ -1,9 +1,11 @@
 """Which cache the harness tests, and what that cache can do.
 
 ``load_impl`` resolves the target class from an argument, ``$TQBATCH_IMPL`` or
-the default (tqbatch's own class). ``capabilities`` finds out which operations
-of the op vocabulary (docs/ops.md) the class offers, so that the state machine
-skips rules for missing ones and reports them instead of crashing.
+the default (tqbatch's own class); ``impl_spec`` is the inverse, the one way a
+target is named in reports, saved scenarios and shard configurations.
+``capabilities`` finds out which operations of the op vocabulary (docs/ops.md)
+the class offers, so that the state machine skips rules for missing ones and
+reports them instead of crashing.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ __all__ = [
     "OPS_BY_CAPABILITY",
     "ImplSpecError",
     "capabilities",
+    "impl_spec",
     "load_impl",
     "missing_capabilities",
 ]
@@ -28,6 +31,11 @@ DEFAULT_IMPL = "tqbatch:BatchTurboQuantKVCache"
 
 class ImplSpecError(ValueError):
     """A ``module:Class`` specification that does not name a usable class."""
+
+
+def impl_spec(impl: type) -> str:
+    """``"module:QualName"``: what ``load_impl`` takes to load ``impl`` again."""
+    return f"{impl.__module__}:{impl.__qualname__}"
 
 
 def load_impl(spec: str | None = None) -> type:

@@ -43,7 +43,7 @@ import numpy as np
 from tqbatch.testing.backend import describe as describe_backend
 from tqbatch.testing.backend import matmul_precision
 from tqbatch.testing.checks import KnownFailure
-from tqbatch.testing.impl import load_impl
+from tqbatch.testing.impl import impl_spec, load_impl
 from tqbatch.testing.ops import World, format_ops
 from tqbatch.testing.reference import to_numpy
 
@@ -56,7 +56,6 @@ __all__ = [
     "ScenarioError",
     "default_tolerances",
     "discover",
-    "impl_spec",
     "observe",
     "platform_id",
     "record",
@@ -363,10 +362,6 @@ def _versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[dist] = "not installed"
     return out
-
-
-def impl_spec(impl: type) -> str:
-    return f"{impl.__module__}:{impl.__qualname__}"
 
 
 def _unwrap(state):

@@ -37,7 +37,7 @@ from hypothesis.stateful import (
 
 from tqbatch.testing import strategies as tqs
 from tqbatch.testing.checks import CheckFailure, KnownFailure
-from tqbatch.testing.impl import load_impl, missing_capabilities
+from tqbatch.testing.impl import impl_spec, load_impl, missing_capabilities
 from tqbatch.testing.ops import World
 
 __all__ = [
@@ -125,7 +125,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
         impl = self.world.impl
         checked = isinstance(exc, CheckFailure)
         failure = Failure(
-            impl=f"{impl.__module__}:{impl.__qualname__}",
+            impl=impl_spec(impl),
             config=dict(self.config),
             ops=list(self.world.ops),
             message=f"{type(exc).__name__}: {exc}" if not checked else str(exc),
@@ -151,7 +151,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
     def start(self, config, data):
         impl = type(self).impl or load_impl()
         self.config = config
-        note(f"World({impl.__module__}:{impl.__qualname__}, **{json.dumps(config)})")
+        note(f"World({impl_spec(impl)}, **{json.dumps(config)})")
         self.world = World(
             impl,
             contract_checks=type(self).contract_checks,
@@ -318,7 +318,7 @@ def machine_for(
     missing = missing_capabilities(impl)
     if missing:
         warnings.warn(
-            f"{impl.__module__}.{impl.__qualname__} lacks {', '.join(missing)}: "
+            f"{impl_spec(impl)} lacks {', '.join(missing)}: "
             "the state machine skips the rules that need them",
             UnsupportedOpsWarning,
             stacklevel=2,
