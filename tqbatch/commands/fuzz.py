@@ -7,24 +7,15 @@ saves it as a scenario (``tqbatch.testing.scenario``) and exits 1.
 ``--survey`` keeps going after failures and lists every distinct failing
 check, each with its own saved scenario; it exits 1 only for failures of the
 contract (policy differences are listed, see ``tqbatch.testing.checks``).
-``--workers N`` runs N shards through pytest-xdist (``-n N``), each shard a
-distinct seed; every shard's failures are reported.
+``--workers N`` runs N shards through pytest-xdist (``tqbatch.testing.shards``),
+each shard a distinct seed; every shard's failures are reported.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-
 from tqbatch.commands import add_impl_argument
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-_ENV = "TQBATCH_FUZZ_SHARD"  # JSON settings of a pytest-xdist shard
 
 
 def register(subparsers) -> None:
@@ -70,95 +61,6 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _campaign(impl, options: dict, seed: int, on_example=None):
-    from tqbatch.testing.campaign import run_campaign
-
-    return run_campaign(
-        impl,
-        examples=options["examples"],
-        minutes=options["minutes"],
-        profile=options["profile"],
-        seed=seed,
-        survey=options["survey"],
-        contract_checks=options["contract_checks"],
-        on_example=on_example,
-    )
-
-
-# ---------------------------------------------------------------- pytest-xdist shards
-
-
-def test_fuzz_shard(shard):
-    """One shard of a ``--workers`` campaign (collected only by ``tqbatch fuzz``)."""
-    from tqbatch.testing import backend
-    from tqbatch.testing.impl import load_impl
-
-    backend.select_device()  # the parent's --device, passed down as $TQBATCH_DEVICE
-    cfg = json.loads(os.environ[_ENV])
-    out = Path(cfg["dir"]) / f"shard-{shard}.json"
-
-    def save(result):
-        data = result.to_json()
-        data["shards"] = [
-            {
-                "shard": shard,
-                "examples": result.examples,
-                "failures": len(result.failures),
-                "seconds": result.seconds,
-            }
-        ]
-        out.write_text(json.dumps(data))
-
-    options = dict(cfg["options"], examples=cfg["shard_examples"])
-    result = _campaign(load_impl(options["impl"]), options, options["seed"] * 1000 + shard, save)
-    save(result)
-
-
-def pytest_generate_tests(metafunc):
-    if "shard" in metafunc.fixturenames:
-        workers = json.loads(os.environ[_ENV])["workers"]
-        metafunc.parametrize("shard", range(workers))
-
-
-def _run_workers(options: dict, progress_update):
-    shard_examples = None
-    if options["examples"] is not None:
-        shard_examples = -(-options["examples"] // options["workers"])
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = dict(
-            options=options, shard_examples=shard_examples, workers=options["workers"], dir=tmp
-        )
-        env = dict(os.environ, **{_ENV: json.dumps(cfg)})
-        cmd = [
-            sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-            "-n", str(options["workers"]), "--rootdir", tmp, "-o", "addopts=",
-            "-k", "test_fuzz_shard", "-W", "ignore",
-        ]  # fmt: skip
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        while proc.poll() is None:
-            time.sleep(1.0)
-            progress_update(_collect(tmp).examples)
-        output = proc.stdout.read().decode(errors="replace")
-        total = _collect(tmp)
-        if total.examples == 0 and proc.returncode not in (0, 1):
-            raise RuntimeError(f"pytest-xdist shards did not run:\n{output}")
-        return total
-
-
-def _collect(directory):
-    from tqbatch.testing.campaign import CampaignResult
-
-    total = CampaignResult()
-    for path in sorted(Path(directory).glob("shard-*.json")):
-        try:
-            shard = CampaignResult.from_json(json.loads(path.read_text()))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a shard is mid-write; the next poll reads it
-        total.absorb(shard)
-        total.shards.extend(shard.shards)
-    return total
-
-
 # ---------------------------------------------------------------- command
 
 
@@ -168,6 +70,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tqbatch.testing.impl import impl_spec, load_impl, missing_capabilities
+    from tqbatch.testing.shards import campaign_from_options, run_shards
 
     console = Console(stderr=True)
     impl = load_impl(args.impl)  # a bad target: ImplSpecError, reported by tqbatch.cli
@@ -201,9 +104,9 @@ def run(args) -> int:
     ) as progress:
         task = progress.add_task("fuzz", total=args.examples, impl=target)
         if args.workers > 1:
-            result = _run_workers(options, lambda n: progress.update(task, completed=n))
+            result = run_shards(options, lambda n: progress.update(task, completed=n))
         else:
-            result = _campaign(
+            result = campaign_from_options(
                 impl,
                 options,
                 args.seed,

@@ -1,0 +1,120 @@
+"""A campaign spread over processes: one pytest-xdist worker per shard, one seed each.
+
+``run_shards`` starts ``pytest -n WORKERS`` on this very module, whose one
+test, ``test_fuzz_shard``, runs ``campaign_from_options`` with seed
+``seed * 1000 + shard`` and keeps its ``CampaignResult`` in a JSON file
+(rewritten after every example, so progress can be polled). The parent
+adds the shards' results up (``CampaignResult.absorb``): every shard's
+failures are kept, each shard's counts are listed. The test is collected only
+when this module is named on the command line with its settings in
+``$TQBATCH_FUZZ_SHARD``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tqbatch.testing.campaign import CampaignResult, run_campaign
+
+__all__ = ["campaign_from_options", "run_shards"]
+
+_ENV = "TQBATCH_FUZZ_SHARD"  # JSON settings of a pytest-xdist shard
+
+
+def campaign_from_options(impl, options: dict, seed: int, on_example=None) -> CampaignResult:
+    """``run_campaign`` with the budget and switches of ``tqbatch fuzz``'s saved options."""
+    return run_campaign(
+        impl,
+        examples=options["examples"],
+        minutes=options["minutes"],
+        profile=options["profile"],
+        seed=seed,
+        survey=options["survey"],
+        contract_checks=options["contract_checks"],
+        on_example=on_example,
+    )
+
+
+def run_shards(options: dict, progress_update: Callable[[int], None]) -> CampaignResult:
+    """Run ``options["workers"]`` shards of the campaign; their results added up.
+
+    ``options["examples"]``, where given, is split between the shards
+    (rounded up). ``progress_update`` gets the examples done so far, about
+    once a second.
+    """
+    shard_examples = None
+    if options["examples"] is not None:
+        shard_examples = -(-options["examples"] // options["workers"])
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = dict(
+            options=options, shard_examples=shard_examples, workers=options["workers"], dir=tmp
+        )
+        env = dict(os.environ, **{_ENV: json.dumps(cfg)})
+        cmd = [
+            sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+            "-n", str(options["workers"]), "--rootdir", tmp, "-o", "addopts=",
+            "-k", "test_fuzz_shard", "-W", "ignore",
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            time.sleep(1.0)
+            progress_update(_collect(tmp).examples)
+        output = proc.stdout.read().decode(errors="replace")
+        total = _collect(tmp)
+        if total.examples == 0 and proc.returncode not in (0, 1):
+            raise RuntimeError(f"pytest-xdist shards did not run:\n{output}")
+        return total
+
+
+def _collect(directory) -> CampaignResult:
+    total = CampaignResult()
+    for path in sorted(Path(directory).glob("shard-*.json")):
+        try:
+            shard = CampaignResult.from_json(json.loads(path.read_text()))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a shard is mid-write; the next poll reads it
+        total.absorb(shard)
+        total.shards.extend(shard.shards)
+    return total
+
+
+# ------------------------------------------------- the shard, as pytest-xdist runs it
+
+
+def test_fuzz_shard(shard):
+    """One shard of a sharded campaign (collected only by ``run_shards``)."""
+    from tqbatch.testing import backend
+    from tqbatch.testing.impl import load_impl
+
+    backend.select_device()  # the parent's --device, passed down as $TQBATCH_DEVICE
+    cfg = json.loads(os.environ[_ENV])
+    out = Path(cfg["dir"]) / f"shard-{shard}.json"
+
+    def save(result):
+        data = result.to_json()
+        data["shards"] = [
+            {
+                "shard": shard,
+                "examples": result.examples,
+                "failures": len(result.failures),
+                "seconds": result.seconds,
+            }
+        ]
+        out.write_text(json.dumps(data))
+
+    options = dict(cfg["options"], examples=cfg["shard_examples"])
+    impl = load_impl(options["impl"])
+    save(campaign_from_options(impl, options, options["seed"] * 1000 + shard, save))
+
+
+def pytest_generate_tests(metafunc):
+    if "shard" in metafunc.fixturenames:
+        workers = json.loads(os.environ[_ENV])["workers"]
+        metafunc.parametrize("shard", range(workers))
