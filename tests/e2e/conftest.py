@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch.e2e import ModelSpec, build_model, run_scenario, scenario_references
 from tqbatch.testing.impl import load_impl
+from tqbatch.workbench.e2e import ModelSpec, build_model, run_scenario, scenario_references
 
 SPEC = ModelSpec()  # 4 layers, hidden 256, 4 query / 2 KV heads, head_dim 64
 # A cheaper model for the seed sweep and the forward-noise comparison: two

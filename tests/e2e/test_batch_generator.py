@@ -17,9 +17,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
-from tqbatch.e2e import LOGITS_ATOL, reference_run
-from tqbatch.serving import MaskWidthProbe, make_prompt_caches
 from tqbatch.testing.backend import matmul_precision
+from tqbatch.workbench.e2e import LOGITS_ATOL, reference_run
+from tqbatch.workbench.serving import MaskWidthProbe, make_prompt_caches
 
 from .conftest import BITS, SEED, SPEC
 

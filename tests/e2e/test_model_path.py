@@ -8,8 +8,8 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache
 from mlx_vlm.models.qwen2 import language as qwen2_language
 
-from tqbatch.serving import ContinuousBatcher, MaskGeometryError, Request
 from tqbatch.testing.mutants import FilterKeepsOneDeadColumn, FilterWithoutCompaction
+from tqbatch.workbench.serving import ContinuousBatcher, MaskGeometryError, Request
 
 from .conftest import BITS, SEED, SPEC
 

@@ -16,9 +16,9 @@ import mlx.nn as nn
 import pytest
 
 from tqbatch import BatchTurboQuantKVCache
-from tqbatch.e2e import LOGITS_ATOL, run_scenario
 from tqbatch.testing.backend import matmul_precision
 from tqbatch.testing.mutants import MUTANTS
+from tqbatch.workbench.e2e import LOGITS_ATOL, run_scenario
 
 from .conftest import BITS, SEED, SMALL_SPEC, SPEC
 

@@ -8,9 +8,9 @@ import pytest
 from mlx_vlm.models.qwen2 import language as qwen2_language
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.cache_oracle import CacheOracle
-from tqbatch.e2e import flipped_codes
-from tqbatch.serving import ForwardLayout
+from tqbatch.workbench.cache_oracle import CacheOracle
+from tqbatch.workbench.e2e import flipped_codes
+from tqbatch.workbench.serving import ForwardLayout
 
 from .conftest import BITS, SEED, SPEC
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from tqbatch.cache_oracle import CacheOracle
-from tqbatch.e2e import REQUESTS, ModelSpec, run_scenario
-from tqbatch.serving import ContinuousBatcher, Request
+from tqbatch.workbench.cache_oracle import CacheOracle
+from tqbatch.workbench.e2e import REQUESTS, ModelSpec, run_scenario
+from tqbatch.workbench.serving import ContinuousBatcher, Request
 
 from .conftest import BITS, SEED, SMALL_SPEC, SPEC
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch import bench
+from tqbatch.workbench import bench
 
 PARAMETERS = bench.selected_parameter_set()
 
@@ -30,7 +30,7 @@ def workloads():
 
 @pytest.fixture
 def measure(benchmark):
-    """Time a :class:`tqbatch.bench.Case` with pytest-benchmark, grouped with its peer."""
+    """Time a :class:`tqbatch.workbench.bench.Case` with pytest-benchmark, grouped with its peer."""
 
     def run(case: bench.Case, rounds: int = PARAMETERS.rounds):
         _run_case(benchmark, case, rounds)

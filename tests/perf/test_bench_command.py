@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tqbatch import bench
+from tqbatch.workbench import bench
 
 
 def _tqbatch(*args: str, prelude: str = "") -> subprocess.CompletedProcess:

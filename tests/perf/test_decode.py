@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch import bench
+from tqbatch.workbench import bench
 
 GRID = bench.selected_decode_grid()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch import bench
+from tqbatch.workbench import bench
 
 GEOMETRIES = bench.selected_parameter_set().geometries()
 

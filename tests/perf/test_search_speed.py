@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 
 import tqbatch
-from tqbatch import bench
 from tqbatch.testing.mutants import MUTANTS
 from tqbatch.testing.selftest import hunt
+from tqbatch.workbench import bench
 
 # One of each kind of check in the default run: geometry after a filter, a
 # rejected op that half-applies, content after a state round trip.

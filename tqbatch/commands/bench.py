@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from tqbatch import bench
 from tqbatch.commands import add_impl_argument
 from tqbatch.testing.backend import describe_line
 from tqbatch.testing.impl import capabilities, impl_spec
+from tqbatch.workbench import bench
 
 # Capabilities (tqbatch.testing.impl.capabilities) each timed op needs besides merge.
 _NEEDS = {

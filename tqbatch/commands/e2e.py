@@ -1,17 +1,17 @@
-"""``tqbatch e2e``: run :mod:`tqbatch.e2e`'s scenario; print the verdict, then the model report."""
+"""``tqbatch e2e``: run :mod:`tqbatch.workbench.e2e`'s scenario; print verdict and model report."""
 
 from __future__ import annotations
 
 import argparse
 import textwrap
 
-import tqbatch.e2e
+import tqbatch.workbench.e2e
 from tqbatch.commands import add_impl_argument
-from tqbatch.e2e import REQUESTS, ModelSpec, ScenarioResult, run_scenario
 from tqbatch.testing.backend import describe_line
+from tqbatch.workbench.e2e import REQUESTS, ModelSpec, ScenarioResult, run_scenario
 
 # What the model-level numbers mean, measured with tqbatch's cache on this
-# project's CPU (float32) over weight seeds 0-9: see tqbatch.e2e's docstring.
+# project's CPU (float32) over weight seeds 0-9: see tqbatch.workbench.e2e's docstring.
 MODEL_LEVEL_NOTE = (
     "expect max |dlogit| ~1e-6..1e-5 where no code or norm differs from the run alone, "
     "~1e-4 where one float16 token norm differs and up to ~1e-1 where a 4-bit code does; "
@@ -25,7 +25,7 @@ def register(subparsers) -> None:
         "e2e",
         help="continuous batching through a real mlx-vlm language model, checked per request",
         # What the scenario does: the second paragraph of the module it runs.
-        description=tqbatch.e2e.__doc__.split("\n\n")[1],
+        description=tqbatch.workbench.e2e.__doc__.split("\n\n")[1],
     )
     parser.add_argument("--bits", type=float, default=4.0, help="TurboQuant bits (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="TurboQuant codec seed")

@@ -90,7 +90,7 @@ SCENARIOS = (
 )
 # A gross-error bound on |logits - logits alone|, for what the oracle cannot see
 # (layers the target does not hold). Forward noise that flips TurboQuant codes
-# moved logits by up to 3e-1 with a correct cache (tqbatch.e2e's docstring, K/V
+# moved logits by up to 3e-1 with a correct cache (tqbatch.workbench.e2e's docstring, K/V
 # jittered at TF32 rounding); correct caches measure <= 1.2e-4 in every cell
 # here at float32. The smallest model-level error of a real defect measured
 # here: 0.705 (mlx-vlm's rotating window cache after a verify block, gpt_oss).

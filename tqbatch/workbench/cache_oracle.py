@@ -14,7 +14,7 @@ This oracle isolates the cache instead. During every forward it captures
   the identity of its ``cache`` argument),
 
 and feeds each row's *real* input columns, as the server laid them out
-(``tqbatch.serving.ForwardLayout``, never the cache's own idea of its
+(``tqbatch.workbench.serving.ForwardLayout``, never the cache's own idea of its
 padding), to a single-request ``mlx_vlm.turboquant.TurboQuantKVCache`` per
 request and layer: exactly those float values, so reference and batch row
 must hold the same packed codes. Then it checks, with the rounding bounds of
@@ -43,10 +43,10 @@ import mlx_vlm.models.base as vlm_base
 import numpy as np
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.serving import ForwardLayout, ServerObserver
 from tqbatch.testing.model import causal_mask
 from tqbatch.testing.reference import to_numpy
 from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, excess_ratios
+from tqbatch.workbench.serving import ForwardLayout, ServerObserver
 
 __all__ = [
     "AttentionSpy",

@@ -1,10 +1,10 @@
 """End to end: continuous batching through a real mlx-vlm language model.
 
 Builds a small Qwen2 language model from mlx-vlm's own model code with random
-weights made locally and drives it with tqbatch.serving.ContinuousBatcher
+weights made locally and drives it with tqbatch.workbench.serving.ContinuousBatcher
 through every batch operation a server uses, each request teacher-forced
 with the tokens it gets when decoded alone. The verdict is the cache oracle
-(tqbatch.cache_oracle): after every forward, each quantized layer's rows,
+(tqbatch.workbench.cache_oracle): after every forward, each quantized layer's rows,
 attention outputs and extracted caches must equal single-request
 TurboQuantKVCache references fed the very K/V the batch cache was handed, to
 rounding. The distance of each request's logits from the request run alone
@@ -50,8 +50,13 @@ from mlx_vlm.models.qwen2 import language as qwen2_language
 from mlx_vlm.models.qwen2.config import ModelConfig
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.cache_oracle import CacheCheckFailed, CacheOracle, OracleFailure, RequestChecks
-from tqbatch.serving import ContinuousBatcher, ForwardLayout, MaskGeometryError, Request
+from tqbatch.workbench.cache_oracle import (
+    CacheCheckFailed,
+    CacheOracle,
+    OracleFailure,
+    RequestChecks,
+)
+from tqbatch.workbench.serving import ContinuousBatcher, ForwardLayout, MaskGeometryError, Request
 
 __all__ = [
     "LOGITS_ATOL",

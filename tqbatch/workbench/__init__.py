@@ -1,0 +1,15 @@
+"""The workbench: batch caches exercised in a serving loop, a real model and benchmarks.
+
+The third room of tqbatch, beside the cache (``tqbatch.cache`` and its private
+helpers) and the harness that judges any cache (``tqbatch.testing``). Arrows
+run one way: the workbench uses both, the harness uses the cache, the cache
+uses neither.
+
+* ``serving``: a continuous-batching server loop over mlx-vlm model code.
+* ``cache_oracle``: per-request references checked against the caches that
+  loop drives.
+* ``e2e``: ``tqbatch e2e``, continuous batching through a random-weight
+  Qwen2 language model, checked by the cache oracle.
+* ``bench``: ``tqbatch bench``, op and decode-step timings against
+  mlx-lm's float16 ``BatchKVCache``.
+"""
