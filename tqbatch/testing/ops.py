@@ -35,6 +35,7 @@ from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, QuantizedKVCache
 from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.turboquant import TurboQuantKVCache
 
+from tqbatch.testing import observation
 from tqbatch.testing.backend import matmul_precision
 from tqbatch.testing.checks import POLICY_CASES, CheckFailure, KnownFailure, failure
 from tqbatch.testing.impl import OPS_BY_CAPABILITY, capabilities, load_impl
@@ -179,6 +180,30 @@ class World:
             raise
         self.last = oracle_phase(self, op, ctx)
         return self.last
+
+    def step(self, op: dict) -> dict[str, np.ndarray]:
+        """Apply ``op``, check every invariant, and return what a replay records of the step.
+
+        Raises what ``apply`` and ``check`` raise, and ``ObservationError``
+        where reading the target afterwards raises. The observation
+        (``tqbatch.testing.observation``): the target's geometry, masks and
+        packed bytes, and what the op yielded (attention outputs, extracted
+        rows, the trim count).
+        """
+        padded = None
+        if op.get("op") == "attend" and self.target is not None:
+            padded = self.model.padding_slots(int(op["queries"]))
+        result = self.apply(op)
+        self.check()
+        try:
+            obs = observation.of_target(self.target)
+            if op["op"] != "expect_error":
+                obs.update(observation.of_op(self.target, op, padded, result))
+        except Exception as exc:
+            raise observation.ObservationError(
+                f"reading the target raised {type(exc).__name__}: {exc}"
+            ) from exc
+        return obs
 
     def check(self):
         """Every invariant of the current state; ``CheckFailure`` naming the failing quantity.

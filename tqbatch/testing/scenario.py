@@ -44,8 +44,8 @@ from tqbatch.testing.backend import describe as describe_backend
 from tqbatch.testing.backend import matmul_precision
 from tqbatch.testing.checks import KnownFailure
 from tqbatch.testing.impl import impl_spec, load_impl
+from tqbatch.testing.observation import ObservationError
 from tqbatch.testing.ops import World, format_ops
-from tqbatch.testing.reference import to_numpy
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -56,7 +56,6 @@ __all__ = [
     "ScenarioError",
     "default_tolerances",
     "discover",
-    "observe",
     "platform_id",
     "record",
     "replay",
@@ -74,9 +73,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "seed": 0,
 }
 _CONFIG_KEYS = set(DEFAULT_CONFIG) | {"key_bits", "value_bits"}
-
-# make_mask forms recorded after every op: (N, window_size).
-MASK_FORMS = ((1, None), (3, None), (3, 2))
 
 _CROSS_PLATFORM_NOTE = (
     "Not measured (no Metal machine here): Metal's fused quantize kernel and GPU matmuls "
@@ -364,82 +360,6 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _unwrap(state):
-    return getattr(state, "_state", state)
-
-
-def _packed_leaves(state, prefix: str) -> dict[str, np.ndarray]:
-    """Leaves of a packed state as raw numpy arrays (no dtype conversion: bytes matter)."""
-    state = _unwrap(state)
-    if state is None:
-        return {}
-    if hasattr(state, "_fields"):
-        items = zip(state._fields, state)
-    elif isinstance(state, (list, tuple)):
-        items = ((str(i), s) for i, s in enumerate(state))
-    else:
-        items = [("data", state)]
-    out = {}
-    for name, leaf in items:
-        if isinstance(leaf, mx.array):
-            mx.eval(leaf)
-            out[f"{prefix}.{name}"] = np.array(leaf, copy=True)
-        elif hasattr(leaf, "_fields") or isinstance(leaf, (list, tuple)):
-            out.update(_packed_leaves(leaf, f"{prefix}.{name}"))
-    return out
-
-
-def _ints(x) -> np.ndarray:
-    if isinstance(x, mx.array):
-        mx.eval(x)
-    return np.asarray(np.array(x), dtype=np.int64).reshape(-1)
-
-
-def observe(target) -> dict[str, np.ndarray]:
-    """What is recorded about a batch cache after every op."""
-    size = target.size()
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-        raise TypeError(f"size() returned {type(size).__name__} {size!r}, not an int")
-    out = {
-        "offset": _ints(target.offset),
-        "left_padding": _ints(target.left_padding),
-        "size": np.array([int(size)], dtype=np.int64),
-        "has_idx": np.array(hasattr(target, "_idx")),
-    }
-    for n, window in MASK_FORMS:
-        mask = to_numpy(target.make_mask(n, return_array=True, window_size=window))
-        out[f"mask.n{n}.w{window or 0}"] = mask.astype(bool)
-    state = target.state
-    if state is not None and len(state) >= 2:
-        out.update(_packed_leaves(state[0], "state.keys"))
-        out.update(_packed_leaves(state[1], "state.values"))
-    return out
-
-
-def _observe_op(world: World, op: dict, before: dict, result) -> dict[str, np.ndarray]:
-    """What an op itself yields: attention outputs, extracted rows, trim counts."""
-    kind = op["op"]
-    if kind == "attend":
-        out = np.array(result["attention"], dtype=np.float32)
-        # Outputs of padding queries are unspecified: NaN marks them unrecorded.
-        out = np.where(before["padded_queries"][:, None, :, None], np.float32(np.nan), out)
-        return {"attention": out}
-    if kind == "extract":
-        index = int(op["index"])
-        single = world.target.extract(index)  # extract leaves the target unchanged
-        obs = {"extract.length": np.array([result["length"]], dtype=np.int64)}
-        if result["length"]:
-            obs["extract.keys"] = np.array(result["keys"], dtype=np.float32)
-            obs["extract.values"] = np.array(result["values"], dtype=np.float32)
-            state = single.state
-            obs.update(_packed_leaves(state[0], "extract_state.keys"))
-            obs.update(_packed_leaves(state[1], "extract_state.values"))
-        return obs
-    if kind == "trim":
-        return {"trimmed": np.array([int(result)], dtype=np.int64)}
-    return {}
-
-
 def _quantity(key: str) -> str:
     """The tolerance entry that governs a recorded key."""
     if key == "extract.length":
@@ -624,12 +544,12 @@ def _load_recording(scenario: Scenario, result: ReplayResult) -> dict | None:
 
 
 def _run_step(world, step, op, scenario, recorded, result) -> bool:
-    before = {}
-    if op["op"] == "attend" and world.target is not None:
-        before["padded_queries"] = world.model.padding_slots(int(op["queries"]))
+    """One op through the World, which checks it and observes; here only the comparison."""
     try:
-        value = world.apply(op)
-        world.check()
+        obs = world.step(op)
+    except ObservationError as exc:
+        result.divergences.append(Divergence(step, op, "observe", str(exc)))
+        return False
     except ValueError as exc:  # World: an unknown op, or no batch yet
         raise ScenarioError(f"{scenario.path or scenario.name}: op {step}: {exc}") from exc
     except AssertionError as exc:
@@ -639,17 +559,6 @@ def _run_step(world, step, op, scenario, recorded, result) -> bool:
         return False
     except KnownFailure as exc:  # tolerated (found_on) but the target diverged there
         result.divergences.append(Divergence(step, op, exc.failure.check.name, exc.failure.what))
-        return False
-    try:
-        obs = observe(world.target)
-        if op["op"] != "expect_error":
-            obs.update(_observe_op(world, op, before, value))
-    except Exception as exc:  # a target that cannot even be observed has diverged
-        result.divergences.append(
-            Divergence(
-                step, op, "observe", f"reading the target raised {type(exc).__name__}: {exc}"
-            )
-        )
         return False
     for key, array in obs.items():
         result.observed[_step_key(step, key)] = array

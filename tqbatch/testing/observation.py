@@ -1,0 +1,103 @@
+"""What a replay records about each step: the target's state, and what the op yielded.
+
+``World.step`` (``tqbatch.testing.ops``) produces one observation per op
+with these functions; ``tqbatch.testing.scenario`` only compares it with a
+recording. Packed states are kept as raw bytes (their dtype untouched),
+masks as booleans, outputs as float32 with NaN where unspecified.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from tqbatch.testing.reference import to_numpy
+
+__all__ = ["MASK_FORMS", "ObservationError", "of_op", "of_target"]
+
+# make_mask forms recorded after every op: (N, window_size).
+MASK_FORMS = ((1, None), (3, None), (3, 2))
+
+
+class ObservationError(Exception):
+    """Reading the target raised: a target that cannot even be observed has diverged."""
+
+
+def _unwrap(state):
+    return getattr(state, "_state", state)
+
+
+def _packed_leaves(state, prefix: str) -> dict[str, np.ndarray]:
+    """Leaves of a packed state as raw numpy arrays (no dtype conversion: bytes matter)."""
+    state = _unwrap(state)
+    if state is None:
+        return {}
+    if hasattr(state, "_fields"):
+        items = zip(state._fields, state)
+    elif isinstance(state, (list, tuple)):
+        items = ((str(i), s) for i, s in enumerate(state))
+    else:
+        items = [("data", state)]
+    out = {}
+    for name, leaf in items:
+        if isinstance(leaf, mx.array):
+            mx.eval(leaf)
+            out[f"{prefix}.{name}"] = np.array(leaf, copy=True)
+        elif hasattr(leaf, "_fields") or isinstance(leaf, (list, tuple)):
+            out.update(_packed_leaves(leaf, f"{prefix}.{name}"))
+    return out
+
+
+def _ints(x) -> np.ndarray:
+    if isinstance(x, mx.array):
+        mx.eval(x)
+    return np.asarray(np.array(x), dtype=np.int64).reshape(-1)
+
+
+def of_target(target) -> dict[str, np.ndarray]:
+    """What is recorded about a batch cache after every op: geometry, masks, packed bytes."""
+    size = target.size()
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+        raise TypeError(f"size() returned {type(size).__name__} {size!r}, not an int")
+    out = {
+        "offset": _ints(target.offset),
+        "left_padding": _ints(target.left_padding),
+        "size": np.array([int(size)], dtype=np.int64),
+        "has_idx": np.array(hasattr(target, "_idx")),
+    }
+    for n, window in MASK_FORMS:
+        mask = to_numpy(target.make_mask(n, return_array=True, window_size=window))
+        out[f"mask.n{n}.w{window or 0}"] = mask.astype(bool)
+    state = target.state
+    if state is not None and len(state) >= 2:
+        out.update(_packed_leaves(state[0], "state.keys"))
+        out.update(_packed_leaves(state[1], "state.values"))
+    return out
+
+
+def of_op(target, op: dict, padded_queries, result) -> dict[str, np.ndarray]:
+    """What an op itself yields: attention outputs, extracted rows, trim counts.
+
+    ``padded_queries``: for an attend op, the (B, N) padding slots of its
+    queries (taken before the op), whose outputs are unspecified.
+    """
+    kind = op["op"]
+    if kind == "attend":
+        out = np.array(result["attention"], dtype=np.float32)
+        # Outputs of padding queries are unspecified: NaN marks them unrecorded.
+        out = np.where(padded_queries[:, None, :, None], np.float32(np.nan), out)
+        return {"attention": out}
+    if kind == "extract":
+        index = int(op["index"])
+        single = target.extract(index)  # extract leaves the target unchanged
+        obs = {"extract.length": np.array([result["length"]], dtype=np.int64)}
+        if result["length"]:
+            obs["extract.keys"] = np.array(result["keys"], dtype=np.float32)
+            obs["extract.values"] = np.array(result["values"], dtype=np.float32)
+            state = single.state
+            obs.update(_packed_leaves(state[0], "extract_state.keys"))
+            obs.update(_packed_leaves(state[1], "extract_state.values"))
+        return obs
+    if kind == "trim":
+        return {"trimmed": np.array([int(result)], dtype=np.int64)}
+    return {}
