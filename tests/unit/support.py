@@ -41,6 +41,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 from tqbatch import BatchTurboQuantKVCache
 from tqbatch.testing.impl import load_impl
 from tqbatch.testing.model import causal_mask
+from tqbatch.testing.ops import POISON
 from tqbatch.testing.tolerances import attention_tolerance, content_tolerance
 
 # The class under test: tqbatch's own unless $TQBATCH_IMPL / --impl names
@@ -54,9 +55,9 @@ D = 64
 # reference within the rounding bounds of tqbatch.testing.tolerances: the same
 # packed codes by another route (batch shapes, masked kernels), derived for the
 # matmul precision in effect rather than measured on one machine.
-# Padding positions are filled with values this large so that attending to even
-# one of them moves the output far beyond those bounds (float16 norms hold them).
-POISON_SCALE = 30.0
+# Padding positions are filled with the harness's poison scale, so that attending
+# to even one of them moves the output far beyond those bounds.
+POISON_SCALE = POISON
 
 
 def normal(rng: np.random.Generator, shape, scale: float = 1.0) -> mx.array:
