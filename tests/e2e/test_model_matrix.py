@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tqbatch.commands.models import BASELINE
 from tqbatch.testing import families, matrix
+from tqbatch.testing.matrix import BASELINE
 from tqbatch.testing.mutants import MUTANTS
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch.commands.models import regressions
 from tqbatch.testing import matrix
+from tqbatch.testing.matrix import regressions
 
 FAMILY, SCENARIO = "qwen3", "prefill_decode"
 

@@ -13,7 +13,6 @@ import argparse
 from tqbatch.commands import add_impl_argument
 
 EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
-BASELINE = "BatchKVCache"
 
 
 def register(subparsers) -> None:
@@ -44,7 +43,7 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--compare",
         nargs="*",
-        default=[BASELINE],
+        default=[matrix.BASELINE],
         metavar="TARGET",
         help="further columns: BatchKVCache (full precision, the default), mlx-vlm "
         "(its BatchTurboQuantKVCache) or MODULE:CLASS",
@@ -64,7 +63,7 @@ def _targets(args):
         main = matrix.target_for("tqbatch")
     else:
         main = matrix.Target(impl_spec(impl), impl)
-    names = [BASELINE] if BASELINE not in args.compare else []
+    names = [matrix.BASELINE] if matrix.BASELINE not in args.compare else []
     return [main] + [matrix.target_for(n) for n in args.compare + names]
 
 
@@ -82,19 +81,6 @@ def markdown(cells, targets) -> str:
             f"| {family} | {scenario} | " + " | ".join(b.replace("|", "/") for b in briefs) + " |"
         )
     return "\n".join(lines)
-
-
-def regressions(cells, target_name: str) -> list:
-    """Cells where ``target_name`` fails or raises and the baseline passes."""
-    by_key = {(c.family, c.scenario, c.target): c for c in cells}
-    return [
-        c
-        for c in cells
-        if c.target == target_name
-        and c.status in ("FAIL", "ERROR")
-        and by_key.get((c.family, c.scenario, BASELINE)) is not None
-        and by_key[c.family, c.scenario, BASELINE].status == "PASS"
-    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,10 +125,10 @@ def run(args: argparse.Namespace) -> int:
             if cell.status in ("FAIL", "ERROR", "NONDET"):
                 print(f"{cell.target} / {cell.family} / {cell.scenario}: {cell.short()}")
 
-    failed = regressions(cells, targets[0].name)
+    failed = matrix.regressions(cells, targets[0].name)
     for cell in failed:
         console.print(
             f"[red]{cell.target} {cell.status}[/red] in {cell.family} / {cell.scenario}, "
-            f"where {BASELINE} passes: {cell.detail}"
+            f"where {matrix.BASELINE} passes: {cell.detail}"
         )
     return EXIT_REGRESSION if failed else EXIT_OK

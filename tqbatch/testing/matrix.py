@@ -69,12 +69,14 @@ from tqbatch.testing.reference import to_numpy
 from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, excess_ratios
 
 __all__ = [
+    "BASELINE",
     "BITS",
     "MODEL_GAP_LIMIT",
     "SCENARIOS",
     "Cell",
     "Target",
     "run_cell",
+    "regressions",
     "run_matrix",
     "target_for",
 ]
@@ -802,3 +804,21 @@ def run_matrix(
                 if progress is not None:
                     progress(cell)
     return cells
+
+
+# The column every cell is also run for: where it fails too, the limitation is
+# below the cache under test.
+BASELINE = "BatchKVCache"
+
+
+def regressions(cells: Sequence[Cell], target_name: str) -> list[Cell]:
+    """Cells where ``target_name`` fails or raises and ``BASELINE`` passes (NONDET: no verdict)."""
+    by_key = {(c.family, c.scenario, c.target): c for c in cells}
+    return [
+        c
+        for c in cells
+        if c.target == target_name
+        and c.status in ("FAIL", "ERROR")
+        and by_key.get((c.family, c.scenario, BASELINE)) is not None
+        and by_key[c.family, c.scenario, BASELINE].status == "PASS"
+    ]
