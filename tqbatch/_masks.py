@@ -17,13 +17,14 @@ import weakref
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 
 __all__ = ["CausalRows", "made_by_cache", "remember"]
 
 
 @dataclass(frozen=True)
 class CausalRows:
-    """Causal attention over left-padded rows, as mlx-lm's ``create_causal_mask`` builds it.
+    """Causal attention over left-padded rows: the numbers mlx-lm's ``create_causal_mask`` takes.
 
     ``starts``: (B,) int32, the first live column of each row (its left
     padding). ``offset``: the column of the first query's own token, so the
@@ -46,12 +47,9 @@ class CausalRows:
             self.offset + n_queries,
         ):
             return self.array
-        cols = mx.arange(self.offset + n_queries)[None]
-        rows = mx.arange(self.offset, self.offset + n_queries)[:, None]
-        allowed = rows >= cols
-        if self.window is not None:
-            allowed = allowed & (rows < cols + self.window)
-        return allowed & (self.starts.reshape(-1, 1, 1, 1) <= cols)
+        return create_causal_mask(
+            n_queries, offset=self.offset, window_size=self.window, left_padding=self.starts
+        )
 
 
 # id(mask array) -> (weak reference to it, the CausalRows it was made from).

@@ -716,15 +716,14 @@ def run_cell(family: str, scenario: str, target: Target) -> Cell:
     if not cell.gap_failure:
         return cell
     again = _run_cell_once(family, scenario, target)
+    seconds = cell.seconds + again.seconds
     if again.gap == cell.gap:
-        return cell
+        return dataclasses.replace(cell, seconds=seconds)
     detail = (
         f"two identical runs were {cell.gap:.3g} and {_gap_text(again.gap)} from the requests "
         "run alone: the backend is not deterministic here, no verdict"
     )
-    return dataclasses.replace(
-        cell, status="NONDET", detail=detail, seconds=cell.seconds + again.seconds
-    )
+    return dataclasses.replace(cell, status="NONDET", detail=detail, seconds=seconds)
 
 
 def _gap_text(gap: float | None) -> str:

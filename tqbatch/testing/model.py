@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,23 +28,18 @@ class Request:
     id: int
     keys: np.ndarray
     values: np.ndarray
-    # Per token: generated at a scale other than 1 (poison or `scale`): the
-    # full-precision error bound, measured at scale 1, does not apply.
-    unusual: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     @property
     def length(self) -> int:
         return self.keys.shape[1]
 
-    def append(self, keys: np.ndarray, values: np.ndarray, unusual: np.ndarray):
+    def append(self, keys: np.ndarray, values: np.ndarray):
         self.keys = np.concatenate([self.keys, keys], axis=1)
         self.values = np.concatenate([self.values, values], axis=1)
-        self.unusual = np.concatenate([self.unusual, unusual])
 
     def truncate(self, length: int):
         self.keys = self.keys[:, :length]
         self.values = self.values[:, :length]
-        self.unusual = self.unusual[:length]
 
 
 @dataclass
@@ -103,7 +98,7 @@ class BatchModel:
         H, D = self.kv_heads, self.head_dim
         if keys is None:
             keys = values = np.zeros((H, 0, D), dtype=np.float32)
-        return Request(next(self._ids), keys, values, np.zeros(keys.shape[1], dtype=bool))
+        return Request(next(self._ids), keys, values)
 
     def reset_empty(self, left_padding: Sequence[int]):
         """An empty batch, as ``Impl(left_padding)``: one fresh request per row."""
@@ -157,7 +152,7 @@ class BatchModel:
             padded |= tail
         return padded
 
-    def write(self, keys: np.ndarray, values: np.ndarray, unusual: np.ndarray) -> list[slice]:
+    def write(self, keys: np.ndarray, values: np.ndarray) -> list[slice]:
         """Append (B, H, T, D) tokens at the written end.
 
         Returns, per row, the slice of the T new tokens that became request
@@ -168,7 +163,7 @@ class BatchModel:
         taken = []
         for b, row in enumerate(self.rows):
             first = min(T, max(0, row.left_padding - self.end))
-            row.request.append(keys[b, :, first:], values[b, :, first:], unusual[b, first:])
+            row.request.append(keys[b, :, first:], values[b, :, first:])
             taken.append(slice(first, T))
         self.end += T
         return taken

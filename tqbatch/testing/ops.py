@@ -352,13 +352,12 @@ class World:
         shape = self._update_shape(op, int(op["tokens"]))
         padded = self.model.padding_slots(shape[2]) if shape[0] == self.model.batch_size else None
         keys, values = self._kv(op["kv_seed"], shape, op.get("scale", 1.0), padded)
-        fetched = self.target.update_and_fetch(mx.array(keys), mx.array(values))
-        return keys, values, padded, fetched
+        self.target.update_and_fetch(mx.array(keys), mx.array(values))
+        return keys, values
 
-    def _write_oracles(self, keys, values, padded, scale):
-        unusual = padded | (scale != 1.0)
+    def _write_oracles(self, keys, values):
         self.dense.update(keys, values)
-        taken = self.model.write(keys, values, unusual)
+        taken = self.model.write(keys, values)
         self.refs.append_rows(
             [
                 (row.request.id, keys[b, :, taken[b]], values[b, :, taken[b]])
@@ -368,8 +367,7 @@ class World:
         return taken
 
     def _update_oracles(self, op, ctx):
-        keys, values, padded, _ = ctx
-        self._write_oracles(keys, values, padded, op.get("scale", 1.0))
+        self._write_oracles(*ctx)
 
     # ---- attend: a forward step (mask, write N tokens, attend)
     def _attend_target(self, op):
@@ -386,13 +384,13 @@ class World:
         out = scaled_dot_product_attention(
             mx.array(queries), ks, vs, cache=self.target, scale=D**-0.5, mask=mask
         )
-        return queries, keys, values, padded, to_numpy(out)
+        return queries, keys, values, to_numpy(out)
 
     def _attend_oracles(self, op, ctx):
-        queries, keys, values, padded, out = ctx
+        queries, keys, values, out = ctx
         window, D = op.get("window_size"), self.head_dim
         end_before = self.model.end
-        taken = self._write_oracles(keys, values, padded, op.get("scale", 1.0))
+        taken = self._write_oracles(keys, values)
         for b, row in enumerate(self.model.rows):
             valid = taken[b]
             n_valid = valid.stop - valid.start
@@ -495,11 +493,11 @@ class World:
                     )
                     continue
                 excess = _excess(got, want, content_tolerance(want))
-                if excess is not None and self.refs.admit_rounding(
-                    rid, name, got, content_tolerance(want)
-                ):
-                    want = self.refs.dequantized(rid)[0 if name == "keys" else 1][:, :length]
-                    excess = _excess(got, want, content_tolerance(want))
+                if excess is not None:
+                    taken = self.refs.admit_rounding(rid, name, got, content_tolerance(want))
+                    if taken is not None:
+                        want = taken[:, :length]
+                        excess = _excess(got, want, content_tolerance(want))
                 if excess is not None:
                     self._report(
                         "extract_content",
@@ -776,13 +774,13 @@ class World:
         keys, values = (to_numpy(x) for x in self.target.dequantize())
         lp, end = self.model.rows[b].left_padding, self.model.end
         rid = self.model.rows[b].request.id
-        taken = 0
-        for name, rows in (("keys", keys), ("values", values)):
-            want = self.refs.dequantized(rid)[0 if name == "keys" else 1]
+        taken = False
+        for name, rows, want in zip(("keys", "values"), (keys, values), self.refs.dequantized(rid)):
             got = rows[b, :, lp:end]
             if want is not None and got.shape == want.shape:
-                taken += self.refs.admit_rounding(rid, name, got, content_tolerance(want))
-        return taken > 0
+                tol = content_tolerance(want)
+                taken |= self.refs.admit_rounding(rid, name, got, tol) is not None
+        return taken
 
     def _check_rows(self, op):
         if not self.capabilities["dequantize"] or self.model.end == 0:
@@ -817,10 +815,11 @@ class World:
                     continue
                 tol = content_tolerance(want)
                 excess = _excess(got, want, tol)
-                if excess is not None and self.refs.admit_rounding(rid, name, got, tol):
-                    want = self.refs.dequantized(rid)[0 if name == "keys" else 1]
-                    tol = content_tolerance(want)
-                    excess = _excess(got, want, tol)
+                if excess is not None:
+                    taken = self.refs.admit_rounding(rid, name, got, tol)
+                    if taken is not None:
+                        want, tol = taken, content_tolerance(taken)
+                        excess = _excess(got, want, tol)
                 if excess is not None:
                     outside = excess_ratios(got, want, tol) > 1.0
                     bad = np.argwhere(outside.any(axis=(0, 2)))[:, 0]

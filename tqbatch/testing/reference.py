@@ -34,6 +34,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch.testing.rounding import AdmissibleCodes
+from tqbatch.testing.tolerances import excess_ratios
 
 __all__ = ["DenseOracle", "TurboReferences", "to_numpy"]
 
@@ -231,7 +232,9 @@ class TurboReferences:
                 keep = max(0, held[0].shape[1] - n)
                 store[request_id] = (_frozen(held[0][:, :keep]), _frozen(held[1][:, :keep]))
 
-    def admit_rounding(self, request_id: int, side: str, got: np.ndarray, tol: np.ndarray) -> int:
+    def admit_rounding(
+        self, request_id: int, side: str, got: np.ndarray, tol: np.ndarray
+    ) -> np.ndarray | None:
         """Take a cache's tokens where they differ from the reference only as rounding allows.
 
         ``side``: "keys" or "values"; ``got``: (H, T', D) dequantized tokens
@@ -242,31 +245,31 @@ class TurboReferences:
         correct quantizer choose (``tqbatch.testing.rounding``), the
         reference holds ``got``'s token from now on, so that every later
         check (rows, attention, extract) compares the cache with its own
-        legitimate choice. Returns how many tokens were taken.
+        legitimate choice. Returns the request's reference tokens on that side
+        (H, T, D) after taking them, or None where none was taken.
         """
         held, entered = self._tokens[request_id], self._entered.get(request_id)
         if held is None or entered is None or self._codecs is None:
-            return 0
+            return None
         i = 0 if side == "keys" else 1
         n = got.shape[1]
         want = held[i][:, :n]
         if got.shape != want.shape:
-            return 0
-        differs = (np.abs(got - want) > tol).any(axis=-1)
+            return None
+        differs = (excess_ratios(got, want, tol) > 1.0).any(axis=-1)
         if not differs.any():
-            return 0
+            return None
         if self._admissible is None:
             self._admissible = tuple(AdmissibleCodes(c) for c in self._codecs)
         admitted = differs & self._admissible[i].admits(got, entered[i][:, :n], tol)
         if not admitted.any():
-            return 0
+            return None
         taken = np.array(held[i])
         taken[:, :n][admitted] = got[admitted]
-        self._tokens[request_id] = (
-            (_frozen(taken), held[1]) if i == 0 else (held[0], _frozen(taken))
-        )
+        taken = _frozen(taken)
+        self._tokens[request_id] = (taken, held[1]) if i == 0 else (held[0], taken)
         self.admitted += int(admitted.sum())
-        return int(admitted.sum())
+        return taken
 
     def length(self, request_id: int) -> int:
         held = self._tokens[request_id]
@@ -282,11 +285,12 @@ class TurboReferences:
 
 def _appended(held, keys: np.ndarray, values: np.ndarray):
     """``held`` (keys, values) with (H, T, D) tokens appended along T, frozen."""
-    if held is not None:
+    if held is None:  # copies: the caller's arrays must not be frozen with ours
+        keys, values = np.array(keys, np.float32), np.array(values, np.float32)
+    else:  # concatenate makes new arrays
         keys = np.concatenate([held[0], keys], axis=1)
         values = np.concatenate([held[1], values], axis=1)
-    # Copies: the caller's arrays must not be frozen with ours.
-    return _frozen(np.array(keys, np.float32)), _frozen(np.array(values, np.float32))
+    return _frozen(keys), _frozen(values)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
