@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from tqbatch.testing import families, matrix
+from tqbatch.testing.doubles import RoundsFarOtherwise, RoundsOtherwise
 from tqbatch.testing.matrix import BASELINE
 from tqbatch.testing.mutants import MUTANTS
+from tqbatch.testing.reference import TurboReferences
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 CELLS = [(f, s) for f in families.FAMILIES for s in matrix.SCENARIOS]
@@ -102,3 +104,29 @@ def test_the_model_level_check_fails_a_wrong_model_output():
     verify block, BatchKVCache's logits leave the request run alone."""
     cell = matrix.run_cell("gpt_oss", "uniform_rollback", matrix.target_for(BASELINE))
     assert cell.status == "FAIL" and cell.gap > matrix.MODEL_GAP_LIMIT, cell.short()
+
+
+def test_matrix_admits_a_cache_that_rounds_otherwise(monkeypatch):
+    """A correct cache that picks other codes where rounding allows (as a GPU does)
+    passes every cell tqbatch passes, up to the first cell where its nudge moved
+    a code or norm (a few cells in: one coordinate in thousands moves), and
+    that cell failed before the oracle admitted rounding choices."""
+    target = matrix.Target("RoundsOtherwise", RoundsOtherwise)
+    passing = [cell for cell in CELLS if _readme_matrix()[cell]["tqbatch"] == "PASS"]
+    for family, scenario in passing:
+        cell = matrix.run_cell(family, scenario, target)
+        assert cell.status == "PASS", (family, scenario, cell.short())
+        if cell.admitted:
+            break
+    else:
+        pytest.fail("the nudge moved no code or norm in any cell")
+    monkeypatch.setattr(TurboReferences, "admit_rounding", lambda *a: None)
+    cell = matrix.run_cell(family, scenario, target)
+    assert cell.status == "FAIL" and "differ" in cell.detail, cell.short()
+
+
+def test_matrix_fails_a_cache_past_the_rounding_band():
+    cell = matrix.run_cell(
+        "qwen2", "speculative", matrix.Target("RoundsFarOtherwise", RoundsFarOtherwise)
+    )
+    assert cell.status == "FAIL" and "differ" in cell.detail, cell.short()

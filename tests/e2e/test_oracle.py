@@ -1,4 +1,5 @@
-"""The oracle's own parts: its capture leaves no trace, its code counter counts."""
+"""The oracle's own parts: its capture leaves no trace, its code counter counts, it
+admits exactly the codes rounding allows."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import pytest
 from mlx_vlm.models.qwen2 import language as qwen2_language
 from mlx_vlm.turboquant import TurboQuantKVCache
 
+from tqbatch.testing.doubles import RoundsFarOtherwise, RoundsOtherwise
+from tqbatch.testing.reference import TurboReferences
 from tqbatch.workbench.cache_oracle import CacheOracle
-from tqbatch.workbench.e2e import flipped_codes
+from tqbatch.workbench.e2e import flipped_codes, run_scenario
 from tqbatch.workbench.serving import ForwardLayout
 
 from .conftest import BITS, SEED, SPEC
@@ -47,3 +50,37 @@ def test_flipped_codes_counts_one_changed_token():
     codes, _ = flips["codes"]
     assert 0 < codes <= 64  # only that token's codes can differ
     assert flips["norms"][0] == 1
+
+
+# ------------------------------------------------------------ rounding choices
+# A correct cache may store another code or float16 norm where float rounding
+# allows it (another summation order; a GPU). The oracle must pass one, and
+# must still fail a cache whose codes move further than rounding can.
+
+
+def test_a_cache_that_rounds_otherwise_passes_where_it_failed_before(
+    model, references, monkeypatch
+):
+    def run(cls):
+        return run_scenario(
+            SPEC, bits=BITS, seed=SEED, model=model, references=references, batch_cache_class=cls
+        )
+
+    result = run(RoundsOtherwise)
+    assert result.failures() == []
+    assert result.admitted > 0  # the nudge did move codes or norms
+    monkeypatch.setattr(TurboReferences, "admit_rounding", lambda *a: None)
+    assert "content" in run(RoundsOtherwise).failure_kinds()
+
+
+def test_a_cache_past_the_rounding_band_still_fails(model, references):
+    result = run_scenario(
+        SPEC,
+        bits=BITS,
+        seed=SEED,
+        model=model,
+        references=references,
+        batch_cache_class=RoundsFarOtherwise,
+        stop_at_first_failure=True,
+    )
+    assert result.failure_kinds() & {"content", "attention"}, result.failures()

@@ -18,6 +18,7 @@ from mlx_vlm.turboquant import _TurboQuantMSECodec, _unpack_lowbit
 
 import tqbatch
 from tqbatch.testing import reference as reference_module
+from tqbatch.testing.doubles import RoundsFarOtherwise, RoundsOtherwise
 from tqbatch.testing.ops import World
 from tqbatch.testing.rounding import AdmissibleCodes, rotation_error
 from tqbatch.testing.tolerances import content_tolerance
@@ -115,31 +116,6 @@ def test_a_norm_rounds_either_way_only_next_to_a_float16_boundary():
         assert model.admits(got[None], y[None], content_tolerance(got[None]))[0] == both
         got = (below * model.codebook[codes[0]]) @ model.forward.T
         assert model.admits(got[None], y[None], content_tolerance(got[None]))[0]
-
-
-class RoundsOtherwise(tqbatch.BatchTurboQuantKVCache):
-    """Correct, but computes its codes from inputs nudged by 1e-5 relative.
-
-    Rotated coordinates move by ~1e-6 (band: 7.7e-6 at D=64), as another
-    summation order would move them: where one lies that close to a midpoint
-    the code differs from the reference's, and a float16 norm next to a
-    rounding boundary rounds the other way.
-    """
-
-    nudge = 1e-5
-
-    def update_and_fetch(self, keys, values):
-        return super().update_and_fetch(self._nudged(keys), self._nudged(values))
-
-    def _nudged(self, x):
-        signs = mx.array(np.random.default_rng(x.size).choice([-1.0, 1.0], x.shape), x.dtype)
-        return x * (1 + self.nudge * signs)
-
-
-class RoundsFarOtherwise(RoundsOtherwise):
-    """Inputs nudged by 1e-3: codes move where no rounding could move them."""
-
-    nudge = 1e-3
 
 
 OPS = [

@@ -95,7 +95,8 @@ def _print_verdict(result: ScenarioResult):
         print(f"  {uid:<8}" + "".join(f"{n:>9}{worst:>9.2g}" for n, worst in cells))
     print(
         f"  {result.forwards} forwards, {result.mask_checks} (layer, forward) "
-        f"mask widths checked, {result.trimmed} slots rolled back"
+        f"mask widths checked, {result.trimmed} slots rolled back, "
+        f"{result.admitted} rounding choices admitted"
     )
 
 

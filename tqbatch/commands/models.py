@@ -121,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
                 cells_here = [by_key[family, scenario, t.name] for t in targets]
                 table.add_row(family, scenario, *(c.brief(40) for c in cells_here))
         Console().print(table)
+        checks = sum(c.checks for c in cells)
+        admitted = sum(c.admitted for c in cells)
+        print(f"oracle checks: {checks}; rounding choices admitted: {admitted}")
         for cell in cells:
             if cell.status in ("FAIL", "ERROR", "NONDET"):
                 print(f"{cell.target} / {cell.family} / {cell.scenario}: {cell.short()}")

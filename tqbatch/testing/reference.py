@@ -209,7 +209,7 @@ class TurboReferences:
         for rid, k, v in items:
             stop = start + k.shape[1]
             new = new_k[:, start:stop], new_v[:, start:stop]
-            self._tokens[rid] = _appended(self._tokens[rid], *new)
+            self._tokens[rid] = _appended(self._tokens.get(rid), *new)
             self._entered[rid] = _appended(self._entered.get(rid), k, v)
             start = stop
 
@@ -248,7 +248,7 @@ class TurboReferences:
         legitimate choice. Returns the request's reference tokens on that side
         (H, T, D) after taking them, or None where none was taken.
         """
-        held, entered = self._tokens[request_id], self._entered.get(request_id)
+        held, entered = self._tokens.get(request_id), self._entered.get(request_id)
         if held is None or entered is None or self._codecs is None:
             return None
         i = 0 if side == "keys" else 1
@@ -272,12 +272,12 @@ class TurboReferences:
         return taken
 
     def length(self, request_id: int) -> int:
-        held = self._tokens[request_id]
+        held = self._tokens.get(request_id)
         return 0 if held is None else held[0].shape[1]
 
     def dequantized(self, request_id: int) -> tuple[np.ndarray, np.ndarray]:
         """(H, T, D) float32 keys and values the reference holds (read-only), or (None, None)."""
-        held = self._tokens[request_id]
+        held = self._tokens.get(request_id)
         if held is None or held[0].shape[1] == 0:
             return None, None
         return held

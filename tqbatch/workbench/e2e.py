@@ -241,6 +241,7 @@ class ScenarioResult:
     mask_checks: int = 0
     forwards: int = 0
     trimmed: int = 0
+    admitted: int = 0  # tokens whose reference took the cache's other rounding choice
     seconds: dict[str, float] = field(default_factory=dict)
 
     def failure_kinds(self) -> set[str]:
@@ -424,6 +425,7 @@ def run_scenario(
         server.probe.remove()
     result.checks = oracle.checks
     result.oracle_failures = oracle.failures
+    result.admitted = oracle.admitted
     if stop_at_first_failure and (oracle.failures or result.problems):
         return result
 
@@ -435,6 +437,7 @@ def run_scenario(
         )
     result.seconds["resume + report"] = time.perf_counter() - clock
     result.problems += _scenario_problems(result, requests, server)
+    result.admitted = oracle.admitted
     return result
 
 

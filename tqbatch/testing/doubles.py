@@ -1,0 +1,45 @@
+"""Caches that round otherwise than tqbatch's, for the harness's own tests.
+
+A correct quantizer may store another code where a rotated coordinate sits
+within float rounding of a codebook midpoint, or another float16 norm next to
+a rounding boundary (``tqbatch.testing.rounding``): another summation order,
+kernel or GPU does. These caches compute their codes from inputs nudged by a
+fixed relative amount, so the harness's oracles can be shown to pass such a
+cache (nudged within rounding) and to fail one nudged past it. Importable by
+path like the mutants, e.g. ``tqbatch.testing.doubles:RoundsOtherwise``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from tqbatch.cache import BatchTurboQuantKVCache
+
+__all__ = ["RoundsFarOtherwise", "RoundsOtherwise"]
+
+
+class RoundsOtherwise(BatchTurboQuantKVCache):
+    """Correct, but computes its codes from inputs nudged by 1e-5 relative.
+
+    Rotated coordinates move by ~1e-6 (band: 7.7e-6 at D=64), as another
+    summation order would move them: where one lies that close to a midpoint
+    the code differs from the reference's, and a float16 norm next to a
+    rounding boundary rounds the other way.
+    """
+
+    nudge = 1e-5
+
+    def update_and_fetch(self, keys, values):
+        return super().update_and_fetch(self._nudged(keys), self._nudged(values))
+
+    def _nudged(self, x):
+        # Signs fixed by the input's size: the same nudge on every run.
+        signs = mx.array(np.random.default_rng(x.size).choice([-1.0, 1.0], x.shape), x.dtype)
+        return x * (1 + self.nudge * signs)
+
+
+class RoundsFarOtherwise(RoundsOtherwise):
+    """Inputs nudged by 1e-3: codes move where no rounding could move them (a bug)."""
+
+    nudge = 1e-3
