@@ -74,7 +74,9 @@ def test_readme_matrix_covers_every_cell():
         ("ExtendAlignsOnCapacity", "qwen2", "continuous", r"extend: keys"),
         ("HandWrittenMaskHidesLeftPadded", "llama", "prefill_decode", r"attention output"),
         ("MergeDropsFullPrecisionMembers", "qwen3_5", "prefill_decode", r"prefill"),
-        ("FinalizeRequantizes", "qwen2", "speculative", r"commit \[2, 0, 1\]: keys"),
+        # At float32 the first commit's keys; at TF32, whose bound is wider, a
+        # later commit's (the drift grows with every re-quantizing finalize).
+        ("FinalizeRequantizes", "qwen2", "speculative", r"commit \[[\d, ]+\]: (keys|values)"),
     ],
 )
 def test_matrix_catches_a_broken_cache(mutant, family, scenario, pattern):
@@ -125,6 +127,7 @@ def test_matrix_admits_a_cache_that_rounds_otherwise(monkeypatch):
     assert cell.status == "FAIL" and "differ" in cell.detail, cell.short()
 
 
+@pytest.mark.float32_only(reason="a 1e-3 nudge is within TF32's rounding band (3.9e-3)")
 def test_matrix_fails_a_cache_past_the_rounding_band():
     cell = matrix.run_cell(
         "qwen2", "speculative", matrix.Target("RoundsFarOtherwise", RoundsFarOtherwise)

@@ -55,7 +55,18 @@ def _run(model, references, cache_class, spec=SPEC, **kwargs):
     )
 
 
-@pytest.mark.parametrize("name", KILLED_BY_E2E)
+# Killed at float32 only: requantizing moves a token by float16 norm rounding
+# (~5e-4 relative), below the TF32 content bound (~4e-3 relative).
+_FLOAT32_ONLY = {
+    "FinalizeRequantizes": pytest.mark.float32_only(
+        reason="re-quantizing moves tokens by ~5e-4 relative, below the TF32 content bound"
+    )
+}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=_FLOAT32_ONLY.get(n, ())) for n in KILLED_BY_E2E]
+)
 def test_scenario_kills(model, references, name):
     result = _run(model, references, MUTANTS[name], stop_at_first_failure=True)
     assert result.failures(), f"{name} passed the end-to-end scenario"

@@ -73,6 +73,7 @@ def test_a_cache_that_rounds_otherwise_passes_where_it_failed_before(
     assert "content" in run(RoundsOtherwise).failure_kinds()
 
 
+@pytest.mark.float32_only(reason="a 1e-3 nudge is within TF32's rounding band (3.9e-3)")
 def test_a_cache_past_the_rounding_band_still_fails(model, references):
     result = run_scenario(
         SPEC,

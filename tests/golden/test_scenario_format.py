@@ -133,7 +133,8 @@ def test_cross_platform_tolerances_apply_off_the_recording_platform(tmp_path, mo
 
     _tamper(path, "000.state.keys.indices", flip)
     assert not replay(path).ok
-    monkeypatch.setattr(sc, "platform_id", lambda: {"device": "gpu", "system": "Darwin"})
+    here = sc.platform_id()  # another device and OS, at the same matmul precision
+    monkeypatch.setattr(sc, "platform_id", lambda: {**here, "device": "gpu", "system": "Darwin"})
     crossed = replay(path)
     assert crossed.ok and crossed.cross_platform, crossed.summary()
 
@@ -142,6 +143,24 @@ def test_cross_platform_tolerances_apply_off_the_recording_platform(tmp_path, mo
 
     _tamper(path, "001.state.values.indices", shift)
     assert not replay(path).ok
+
+
+def test_at_another_precision_only_exact_quantities_meet_the_recording(tmp_path, monkeypatch):
+    """A recording replayed at another matmul precision (float32 recordings at TF32):
+    attention moved past any fixed table bound is left to the oracles, which bound it
+    at that precision; an integer quantity still meets the recording exactly."""
+    path = _recorded_here(SMALL, tmp_path)
+    _tamper(path, "004.attention", lambda a: a + 1e-2)  # 10x the cross-platform atol
+    assert not replay(path).ok
+    here = sc.platform_id()
+    other = "float32" if here["precision"] == "tf32" else "tf32"
+    monkeypatch.setattr(sc, "platform_id", lambda: {**here, "precision": other})
+    result = replay(path)
+    assert result.ok and result.other_precision == here["precision"], result.summary()
+    assert "by the oracles only" in result.summary()
+    _tamper(path, "002.offset", lambda a: a + 1)
+    result = replay(path)
+    assert not result.ok and result.divergences[0].quantity == "offset", result.summary()
 
 
 def test_compare_reports_what_differs():

@@ -118,7 +118,18 @@ def _run(cls, ops, prepare=None, **kwargs):
     return world
 
 
-@pytest.mark.parametrize("check", sorted(SHOWN))
+# Shown failing at float32 only: the bug is finer than TF32 rounding.
+FLOAT32_ONLY = {
+    "attention": pytest.mark.float32_only(
+        reason="a 2% attention error is below the TF32 attention bound (~1e-1 on unit-scale "
+        "outputs)"
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "check", [pytest.param(c, marks=FLOAT32_ONLY.get(c, ())) for c in sorted(SHOWN)]
+)
 def test_check_fails_under_its_own_name(check, monkeypatch):
     cls, ops, prepare, patch = SHOWN[check]
     if patch is not None:

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from tqbatch.testing import backend
+
 # Fails its first check (size() is an array), so the campaign and its
 # shrinking end within seconds.
 MUTANT = "tqbatch.testing.mutants:SizeAsArray"
@@ -46,8 +48,10 @@ def test_fuzz_failure_is_saved_and_replays(tmp_path):
     saved = sorted((tmp_path / "failures").glob("*.json"))
     assert len(saved) == 1
     found_on = json.loads(saved[0].read_text())["found_on"]
-    # Where it was found, so a GPU-only failure is not chased on a CPU.
-    assert found_on["backend"]["precision"] == found_on["backend"]["matmul_precision"] == "float32"
+    # Where it was found, so a GPU-only failure is not chased on a CPU (the
+    # command inherits this suite's precision).
+    assert found_on["backend"]["precision"] == backend.requested_precision()
+    assert found_on["backend"]["matmul_precision"] == backend.matmul_precision()
     assert found_on["options"]["impl"] == MUTANT and "size()" in found_on["error"]
 
     # The saved scenario reproduces the failure against the mutant...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,17 +13,24 @@ import pytest
 from tqbatch.testing import backend
 
 
-def test_suite_runs_at_full_float32():
-    # The root conftest chose float32 before mlx was imported; measured, not assumed.
-    assert backend.requested_precision() == "float32"
-    assert backend.matmul_precision() == "float32"
+def test_suite_runs_at_the_precision_asked_for(pytestconfig):
+    # The root conftest chose the precision before mlx was imported: float32
+    # unless --precision / $TQBATCH_PRECISION asked for TF32. Measured, not assumed.
+    asked = (
+        pytestconfig.getoption("--precision") or os.environ.get("TQBATCH_PRECISION") or "float32"
+    )
+    assert backend.requested_precision() == asked
+    if asked == "float32":
+        assert backend.matmul_precision() == "float32"
 
 
 def test_precision_cannot_change_once_mlx_is_imported():
-    backend.select_precision("float32")  # the setting in force: accepted
+    in_force = backend.requested_precision()
+    other = "tf32" if in_force == "float32" else "float32"
+    backend.select_precision(in_force)  # the setting in force: accepted
     with pytest.raises(backend.BackendError, match="before mlx is imported"):
-        backend.select_precision("tf32")
-    assert backend.requested_precision() == "float32"
+        backend.select_precision(other)
+    assert backend.requested_precision() == in_force
 
 
 def test_unknown_precision_and_device_are_rejected():
@@ -34,10 +42,12 @@ def test_unknown_precision_and_device_are_rejected():
 
 def test_known_answer_check_passes_and_describes_the_backend():
     info = backend.check_backend()
-    assert info["precision"] == info["matmul_precision"] == "float32"
+    assert info["precision"] == backend.requested_precision()
+    assert info["matmul_precision"] == backend.matmul_precision()
     assert info["device"] in backend.DEVICES and info["device_name"]
     line = backend.describe_line(info)
-    assert "MLX_ENABLE_TF32=0" in line and info["device"] in line
+    flag = "MLX_ENABLE_TF32=0" if info["precision"] == "float32" else "MLX_ENABLE_TF32=1"
+    assert flag in line and info["device"] in line
 
 
 def test_a_backend_returning_zeros_stops_the_run(monkeypatch):
@@ -64,14 +74,22 @@ def test_a_wrong_gather_stops_the_run(monkeypatch):
 
 
 def test_tf32_where_float32_was_requested_stops_the_run(monkeypatch):
+    monkeypatch.setattr(backend, "requested_precision", lambda: "float32")
     monkeypatch.setattr(backend, "matmul_precision", lambda: "tf32")
     with pytest.raises(backend.BackendError, match="float32 was requested but matmuls run at TF32"):
         backend.check_backend()
 
 
 def _tqbatch(*args):
+    # As a user runs it: no precision chosen in the environment (the suite may
+    # have been asked for one).
+    env = {k: v for k, v in os.environ.items() if k not in ("TQBATCH_PRECISION", "MLX_ENABLE_TF32")}
     return subprocess.run(
-        [sys.executable, "-m", "tqbatch", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "tqbatch", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
 
 
