@@ -17,7 +17,6 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
-from tqbatch.testing.backend import matmul_precision
 from tqbatch.workbench.e2e import LOGITS_ATOL, reference_run
 from tqbatch.workbench.serving import MaskWidthProbe, make_prompt_caches
 
@@ -26,8 +25,7 @@ from .conftest import BITS, SEED, SPEC
 # BatchGenerator can be neither teacher-forced nor tapped, so these tests compare
 # logits with the requests run alone at LOGITS_ATOL, which holds at float32 only
 # (noise ~1e-5). Seen on an H200 at TF32: 1.3e-4, and 5.1e-2 where a code flipped.
-tf32 = pytest.mark.skipif(
-    matmul_precision() == "tf32",
+tf32 = pytest.mark.float32_only(
     reason="logits vs alone at 1e-4 need float32 matmuls; the model matrix checks "
     "the same paths with its cache oracle at TF32",
 )

@@ -16,7 +16,6 @@ import mlx.nn as nn
 import pytest
 
 from tqbatch import BatchTurboQuantKVCache
-from tqbatch.testing.backend import matmul_precision
 from tqbatch.testing.mutants import MUTANTS
 from tqbatch.workbench.e2e import LOGITS_ATOL, run_scenario
 
@@ -152,12 +151,11 @@ def test_forward_noise_is_not_a_cache_failure(jittered):
     assert _worst_gap(jittered) > 100 * LOGITS_ATOL  # the old verdict would have failed it
 
 
+# Seen on an H200 at TF32: the content bound there (2 * e(D+1) * |token|,
+# ~4e-2 relative at D = 64) is wider than this 1e-3 nudge. At TF32 the
+# content check pins whole tokens, not such nudges (tolerances docs).
+@pytest.mark.float32_only(reason="a 1e-3 relative nudge is below what TF32 matmuls can resolve")
 def test_oracle_fails_a_cache_that_nudges_one_rows_keys(small, jittered):
-    if matmul_precision() == "tf32":
-        # Seen on an H200 at TF32: the content bound there (2 * e(D+1) * |token|,
-        # ~4e-2 relative at D = 64) is wider than this 1e-3 nudge. At TF32 the
-        # content check pins whole tokens, not such nudges (tolerances docs).
-        pytest.skip("a 1e-3 relative nudge is below what TF32 matmuls can resolve")
     result = _run(*small, ScalesOneRowsKeys, SMALL_SPEC)
     # The stored float16 norms of the nudged row move by ~2 ulps: content.
     assert "content" in result.failure_kinds()
