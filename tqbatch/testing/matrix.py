@@ -307,17 +307,12 @@ class Oracle:
         return None if keys is None else (keys, values)
 
     def admit(self, uid: str, layer: int, got) -> bool:
-        """Let the reference take ``got``'s tokens ((H, T', D) keys and values a target
+        """Let the reference take ``got``'s tokens ((H, T, D) keys and values a target
         holds for the request) where they differ from it only as rounding allows
         (``TurboReferences.admit_rounding``). Returns whether any token was taken."""
-        want = self.want(uid, layer) if self.target.quantized else None
-        if want is None or got is None:
+        if not self.target.quantized or got is None:
             return False
-        taken = False
-        for side, mine, theirs in zip(("keys", "values"), got, want):
-            tol = content_tolerance(theirs[:, : mine.shape[1]])
-            taken |= self.refs[layer].admit_rounding(uid, side, mine, tol) is not None
-        return taken
+        return self.refs[layer].admit_rounding_row(uid, *got)
 
     def check_attention(
         self, uid, layer, queries, got, call, quantized: bool, where: str, read_row=None

@@ -774,13 +774,7 @@ class World:
         keys, values = (to_numpy(x) for x in self.target.dequantize())
         lp, end = self.model.rows[b].left_padding, self.model.end
         rid = self.model.rows[b].request.id
-        taken = False
-        for name, rows, want in zip(("keys", "values"), (keys, values), self.refs.dequantized(rid)):
-            got = rows[b, :, lp:end]
-            if want is not None and got.shape == want.shape:
-                tol = content_tolerance(want)
-                taken |= self.refs.admit_rounding(rid, name, got, tol) is not None
-        return taken
+        return self.refs.admit_rounding_row(rid, keys[b, :, lp:end], values[b, :, lp:end])
 
     def _check_rows(self, op):
         if not self.capabilities["dequantize"] or self.model.end == 0:

@@ -34,7 +34,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch.testing.rounding import AdmissibleCodes
-from tqbatch.testing.tolerances import excess_ratios
+from tqbatch.testing.tolerances import content_tolerance, excess_ratios
 
 __all__ = ["DenseOracle", "TurboReferences", "to_numpy"]
 
@@ -269,6 +269,21 @@ class TurboReferences:
         taken = _frozen(taken)
         self._tokens[request_id] = (taken, held[1]) if i == 0 else (held[0], taken)
         self.admitted += int(admitted.sum())
+        return taken
+
+    def admit_rounding_row(self, request_id: int, keys: np.ndarray, values: np.ndarray) -> bool:
+        """``admit_rounding`` on both sides of a request as a cache holds it.
+
+        ``keys``, ``values``: (H, T', D) dequantized tokens (T' <= the
+        reference's length), each side judged within its ``content_tolerance``.
+        Returns whether any token was taken.
+        """
+        taken = False
+        sides = zip(("keys", "values"), (keys, values), self.dequantized(request_id))
+        for side, got, held in sides:
+            if held is not None and got.ndim == 3 and got.shape[1] <= held.shape[1]:
+                tol = content_tolerance(held[:, : got.shape[1]])
+                taken |= self.admit_rounding(request_id, side, got, tol) is not None
         return taken
 
     def length(self, request_id: int) -> int:

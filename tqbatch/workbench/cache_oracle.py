@@ -414,17 +414,11 @@ class CacheOracle(ServerObserver):
         differ from it only as float rounding allows a correct quantizer
         (``TurboReferences.admit_rounding``); later checks compare with them.
         Returns whether any token was taken."""
-        refs = self.references[layer]
         try:
             got = read()
         except Exception:  # a broken cache may fail to be read: the check fails as it was
             return False
-        taken = False
-        for side, mine, theirs in zip(("keys", "values"), got, refs.dequantized(uid)):
-            if theirs is not None and mine.shape[1] <= theirs.shape[1]:
-                tol = content_tolerance(theirs[:, : mine.shape[1]])
-                taken |= refs.admit_rounding(uid, side, mine, tol) is not None
-        return taken
+        return self.references[layer].admit_rounding_row(uid, *got)
 
     def _record(self, kind, uid, layer, where, got, want, tol, name: str = "outputs"):
         if got.shape != want.shape:
