@@ -15,11 +15,13 @@ Counts are honest: ``examples`` are the examples Hypothesis generated;
 ``shrink_runs`` the test runs it spent shrinking and replaying failures; op
 counts cover generated examples only.
 
-Shrinking is bounded, in two stages: Hypothesis shrinks each round for at
-most a third of ``shrink_seconds`` (its own bound is 300 s, an engine
-constant lowered here for the round), then ``tqbatch.testing.minimize``
-drops single ops from each failure for at most the rest. A failure not yet
-minimal by then is reported as far as it got.
+Shrinking is bounded by test runs, never by seconds, so that what a
+campaign reports (which failure, shrunk how far, and in a survey what it
+goes on to find) is the same on a fast machine and a slow one: Hypothesis
+shrinks each round for at most ``SHRINK_RUNS`` runs (``shrink_budget``), then
+``tqbatch.testing.minimize`` drops single ops from each failure for at most
+``MINIMIZE_REPLAYS`` replays. A failure not yet minimal by then is reported
+as far as it got.
 """
 
 from __future__ import annotations
@@ -43,37 +45,69 @@ from tqbatch.testing.stateful import UnsupportedOpsWarning, machine_for
 
 __all__ = [
     "ROUND_EXAMPLES",
-    "HYPOTHESIS_SHARE",
-    "SHRINK_SECONDS",
+    "MINIMIZE_REPLAYS",
+    "SHRINK_RUNS",
     "CampaignResult",
+    "RunClock",
     "conforms",
     "run_campaign",
     "save_failures",
-    "shrink_deadline",
+    "shrink_budget",
     "survey_test_case",
 ]
 
 ROUND_EXAMPLES = 5  # examples per Hypothesis run: the budgets are checked between runs
-# Per failure: Hypothesis's shrinker is thorough but needs hundreds of runs
-# (~1 s each at 30 steps on 2 cores); the op-level pass after it needs one
-# replay per op. Measured on the mutant catalogue: README, "Suite strength".
-SHRINK_SECONDS = 30.0
-HYPOTHESIS_SHARE = 1 / 3
+# Per failure. Unbounded, Hypothesis's shrinker converged in 170-365 runs on
+# six mutants of the catalogue (10-22 s a campaign on 2 cores: shrunk
+# sequences are short, so runs get cheap), the op-level pass after it needs
+# one replay per op left. Both bounds leave room over that.
+SHRINK_RUNS = 600
+MINIMIZE_REPLAYS = 100
+
+
+class RunClock:
+    """A clock that reads test runs, for Hypothesis's engine (see ``shrink_budget``).
+
+    The machine under test calls ``tick()`` once per test run.
+    """
+
+    def __init__(self):
+        self.runs = 0
+
+    def tick(self):
+        self.runs += 1
+
+    def perf_counter(self) -> float:
+        return float(self.runs)
+
+    monotonic = perf_counter
+
+    def __getattr__(self, name):  # anything else the engine reads of ``time``
+        return getattr(time, name)
 
 
 @contextlib.contextmanager
-def shrink_deadline(seconds: float | None) -> Iterator[None]:
-    """Bound Hypothesis's shrinking to ``seconds`` per run (None: its own 300 s)."""
-    try:  # an engine constant, read when shrinking starts
+def shrink_budget(runs: int | None, clock: RunClock) -> Iterator[None]:
+    """Bound Hypothesis's shrinking to ``runs`` test runs (None: its own bound, 300 s).
+
+    Hypothesis bounds shrinking in seconds (an engine constant read when
+    shrinking starts), so where it stops, and which failure it reports,
+    would depend on the machine's speed. Inside this context the engine's
+    clock is ``clock``, which counts runs, and the constant is ``runs``.
+    The engine's other timing rule (generate for at most 10 s after a first
+    bug, when several bugs are reported) becomes 10 runs.
+    """
+    try:  # engine internals: a module-level ``time`` and the constant
         from hypothesis.internal.conjecture import engine
     except ImportError:  # pragma: no cover - depends on the Hypothesis version
         yield
         return
+    saved_clock = getattr(engine, "time", None)
     saved = getattr(engine, "MAX_SHRINKING_SECONDS", None)
-    if seconds is None or saved is None:
-        yield
+    if runs is None or saved is None or saved_clock is not time:
+        yield  # pragma: no cover - another Hypothesis: its own bound in seconds
         return
-    engine.MAX_SHRINKING_SECONDS = seconds
+    engine.time, engine.MAX_SHRINKING_SECONDS = clock, runs
     previous = current_reporter()
 
     def reporter(text):
@@ -85,7 +119,7 @@ def shrink_deadline(seconds: float | None) -> Iterator[None]:
         with with_reporter(reporter):
             yield
     finally:
-        engine.MAX_SHRINKING_SECONDS = saved
+        engine.time, engine.MAX_SHRINKING_SECONDS = saved_clock, saved
 
 
 @dataclass
@@ -223,13 +257,15 @@ def run_campaign(
     survey: bool = False,
     contract_checks: bool = True,
     on_example: Callable[[CampaignResult], None] | None = None,
-    shrink_seconds: float | None = SHRINK_SECONDS,
+    shrink_runs: int | None = SHRINK_RUNS,
 ) -> CampaignResult:
     """Run the machine against ``impl`` until ``examples`` or ``minutes`` is spent.
 
     A plain campaign stops at its first failure; a survey (``survey=True``)
     keeps every distinct failing check, each shrunk, and stops early only
     when every example ends in a failure it already has (``exhausted``).
+    ``shrink_runs`` bounds each Hypothesis shrink (None: Hypothesis's own
+    bound, in seconds).
     """
     if examples is None and minutes is None:
         raise ValueError("run_campaign needs an example budget or a time budget")
@@ -245,10 +281,12 @@ def run_campaign(
             tolerate=(lambda failure: failure.identity in known) if survey else None,
         )
     counter = _Counter(result, on_example)
+    clock = RunClock()
 
     class Counting(machine):
         def __init__(self):
             super().__init__()
+            clock.tick()  # one test run: shrinking is bounded in these
             # This example's op counts: the class-level totals now, subtracted at teardown.
             self._before = (dict(type(self).op_counts), dict(type(self).pair_counts))
 
@@ -290,7 +328,7 @@ def run_campaign(
             Counting.failures.clear()
             Counting.last_failure = None
             try:
-                with shrink_deadline(shrink_seconds and shrink_seconds * HYPOTHESIS_SHARE):
+                with shrink_budget(shrink_runs, clock):
                     run_state_machine_as_test(Counting, settings=round_settings)
             except Unsatisfiable:
                 result.exhausted = True  # every example hit a known, diverging failure
@@ -298,7 +336,7 @@ def run_campaign(
             except Exception as exc:  # noqa: BLE001 - whatever the run raised is reported
                 found = _found(Counting, exc, sorted(known))
                 for failure in found:
-                    _minimize(impl, failure, contract_checks, shrink_seconds)
+                    _minimize(impl, failure, contract_checks)
                 for failure in found:
                     known[_key(failure)] = failure
                     result.failures.append(failure)
@@ -323,7 +361,7 @@ def _diverging_cases(known: dict) -> set[str]:
     return cases
 
 
-def _minimize(impl, failure: dict, contract_checks: bool, seconds: float | None) -> None:
+def _minimize(impl, failure: dict, contract_checks: bool) -> None:
     """Finish the shrink at the op level (``tqbatch.testing.minimize``), in place."""
     if not failure["identity"] or not failure["ops"]:
         return
@@ -335,7 +373,7 @@ def _minimize(impl, failure: dict, contract_checks: bool, seconds: float | None)
         failure["identity"],
         (lambda f: f.identity in tolerated) if tolerated else None,
         contract_checks=contract_checks,
-        seconds=(seconds or SHRINK_SECONDS) * (1 - HYPOTHESIS_SHARE),
+        replays=MINIMIZE_REPLAYS,
     )
     if check_failure is not None:
         failure.update(ops=ops, message=str(check_failure), what=check_failure.what)

@@ -3,14 +3,14 @@
 Every op carries its own seeds, so any subsequence is a replayable scenario.
 ``minimize`` drops ops one at a time, last first, and keeps a drop whenever
 the same check identity still fails (with the same failures tolerated): a
-single deterministic pass of at most ``len(ops)`` replays. It finishes what
-Hypothesis's shrinker, bounded in time, leaves over; on a 2-core CPU a
-replay costs ~30 ms per op.
+single deterministic pass of at most ``len(ops)`` replays (and at most
+``replays``: a bound in replays, not seconds, so the result does not depend
+on the machine's speed). It finishes what Hypothesis's shrinker, bounded in
+runs, leaves over; on a 2-core CPU a replay costs ~30 ms per op.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from tqbatch.testing.checks import CheckFailure, KnownFailure
@@ -53,7 +53,7 @@ def minimize(
     tolerate: Callable[[CheckFailure], bool] | None = None,
     *,
     contract_checks: bool = True,
-    seconds: float = 30.0,
+    replays: int | None = None,
 ) -> tuple[list[dict], CheckFailure | None]:
     """The shortest subsequence of ``ops`` found that still fails with ``identity``, and
     that failure; ``(ops, None)`` if ``ops`` does not fail that way on replay."""
@@ -65,12 +65,14 @@ def minimize(
     found = fails(current)
     if found is None:
         return current, None
-    deadline = time.monotonic() + seconds
+    left = len(current) if replays is None else replays
     i = len(current) - 1
-    while i >= 0 and time.monotonic() < deadline:
+    while i >= 0 and left > 0:
         candidate = current[:i] + current[i + 1 :]
-        again = fails(candidate) if candidate else None
-        if again is not None:
-            current, found = candidate, again
+        if candidate:
+            left -= 1
+            again = fails(candidate)
+            if again is not None:
+                current, found = candidate, again
         i -= 1
     return current, found

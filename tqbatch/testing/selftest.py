@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from hypothesis import Phase, settings
 
-from tqbatch.testing.campaign import HYPOTHESIS_SHARE, SHRINK_SECONDS, shrink_deadline
+from tqbatch.testing.campaign import MINIMIZE_REPLAYS, SHRINK_RUNS, RunClock, shrink_budget
 from tqbatch.testing.minimize import minimize
 from tqbatch.testing.mutants import CATCHES, MUTANTS
 from tqbatch.testing.profiles import PROFILES
@@ -60,8 +60,13 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
             MUTANTS[name], tolerate=lambda failure: failure.check.name != intended
         )
     examples = [0]
+    clock = RunClock()
 
     class Counting(machine):
+        def __init__(self):
+            super().__init__()
+            clock.tick()
+
         def teardown(self):
             examples[0] += 1
 
@@ -74,7 +79,7 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
     )
     start = time.perf_counter()
     try:
-        with shrink_deadline(SHRINK_SECONDS * HYPOTHESIS_SHARE):  # as tqbatch fuzz shrinks
+        with shrink_budget(SHRINK_RUNS, clock):  # as tqbatch fuzz shrinks
             Counting.TestCase("runTest").runTest()
     except AssertionError:
         pass  # the machine recorded what failed
@@ -87,7 +92,7 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
             failure.ops,
             failure.identity,
             lambda f: f.check.name != intended,
-            seconds=SHRINK_SECONDS * (1 - HYPOTHESIS_SHARE),
+            replays=MINIMIZE_REPLAYS,
         )
         if check_failure is not None:
             failure = replace(failure, ops=ops, message=str(check_failure))
