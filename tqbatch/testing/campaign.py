@@ -12,8 +12,9 @@ example budget or a time budget is spent.
   search moves on to what else is wrong.
 
 Counts are honest: ``examples`` are the examples Hypothesis generated;
-``shrink_runs`` the test runs it spent shrinking and replaying failures; op
-counts cover generated examples only.
+``shrink_runs`` the test runs it spent shrinking and replaying failures
+(those that passed: a failing run ends before it is counted); op counts
+cover generated examples only.
 
 Shrinking is bounded by test runs, never by seconds, so that what a
 campaign reports (which failure, shrunk how far, and in a survey what it
@@ -107,7 +108,7 @@ def shrink_budget(runs: int | None, clock: RunClock) -> Iterator[None]:
     saved_clock = getattr(engine, "time", None)
     saved = getattr(engine, "MAX_SHRINKING_SECONDS", None)
     if runs is None or saved is None or saved_clock is not time:
-        yield  # pragma: no cover - another Hypothesis: its own bound in seconds
+        yield  # no bound asked for, or another Hypothesis: its own bound, in seconds
         return
     engine.time, engine.MAX_SHRINKING_SECONDS = clock, runs
     previous = current_reporter()
