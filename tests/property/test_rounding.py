@@ -113,6 +113,29 @@ def test_bugs_are_not_admitted():
         assert not model.admits(got, x, tol).any(), name
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_at_tf32_a_4_bit_bug_is_still_not_admitted(dim):
+    """TF32's band and content bound, computed here whatever the backend: at 4 bits
+    the codec's output is admitted and no bug is. Each rotated coordinate is held
+    to the content bound; the worst case, sqrt(D) times it, admitted 50-78 % of
+    full-precision tokens here (an H200's TF32 suite found it). At 8 bits TF32's
+    band spans most intervals: such fine claims are float32's."""
+    codec = _TurboQuantMSECodec(dim, 4, seed=0)
+    model = AdmissibleCodes(codec, precision="tf32")
+    x = np.random.default_rng(0).standard_normal((40, dim)).astype(np.float32)
+    good = _round_trip(codec, x)
+    tol = content_tolerance(good, precision="tf32")
+    assert model.admits(good, x, tol).all()
+    wrong = {
+        "full precision": x.astype(np.float64),
+        "another seed's codec": _round_trip(_TurboQuantMSECodec(dim, 4, seed=1), x),
+        "another token": np.roll(good, 1, axis=0),
+        "two bits": _round_trip(_TurboQuantMSECodec(dim, 2, seed=0), x),
+    }
+    for name, got in wrong.items():
+        assert not model.admits(got, x, tol).any(), name
+
+
 @_FLOAT32_BAND
 def test_a_norm_rounds_either_way_only_next_to_a_float16_boundary():
     codec = _TurboQuantMSECodec(64, 4, seed=0)
