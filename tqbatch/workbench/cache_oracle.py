@@ -368,11 +368,14 @@ class CacheOracle(ServerObserver):
 
     def _check_attention(self, c: _AttentionCheck, cache, where: str):
         got, want, tol = self._attention_operands(c)
-        if (excess_ratios(got, want, tol) > 1.0).any():
+        # A wrong output shape is _record's to report, not a rounding question.
+        ratios = excess_ratios(got, want, tol) if got.shape == want.shape else None
+        if ratios is not None and (ratios > 1.0).any():
             if self._admit(c.uid, c.layer, lambda: _read_row(cache, c.row)):
                 c.want, c.mask = self._reference_attention(c)
                 got, want, tol = self._attention_operands(c)
-        self._record("attention", c.uid, c.layer, where, got, want, tol)
+                ratios = excess_ratios(got, want, tol)
+        self._record("attention", c.uid, c.layer, where, got, want, tol, ratios=ratios)
 
     def _check_rows(self, uids: Sequence[str], layer: int, cache, where: str):
         try:
@@ -402,11 +405,17 @@ class CacheOracle(ServerObserver):
                 detail = f"{name} have shape (H, T, D) {mine.shape}, the reference {shape}"
                 self._fail(kind, uid, layer, where, detail)
                 return  # the values would say the same
-        if any((excess_ratios(m, t, content_tolerance(t)) > 1.0).any() for m, t in zip(got, want)):
-            if self._admit(uid, layer, lambda: got):
-                want = self.references[layer].dequantized(uid)
-        for name, mine, theirs in zip(("keys", "values"), got, want):
-            self._record(kind, uid, layer, where, mine, theirs, content_tolerance(theirs), name)
+
+        def judged(want):
+            tols = [content_tolerance(t) for t in want]
+            return tols, [excess_ratios(m, t, tol) for m, t, tol in zip(got, want, tols)]
+
+        tols, ratios = judged(want)
+        if any((r > 1.0).any() for r in ratios) and self._admit(uid, layer, lambda: got):
+            want = self.references[layer].dequantized(uid)
+            tols, ratios = judged(want)
+        for name, mine, theirs, tol, r in zip(("keys", "values"), got, want, tols, ratios):
+            self._record(kind, uid, layer, where, mine, theirs, tol, name, ratios=r)
 
     def _admit(self, uid: str, layer: int, read) -> bool:
         """Where a check failed: let the reference take the cache's tokens (``read()``:
@@ -420,12 +429,14 @@ class CacheOracle(ServerObserver):
             return False
         return self.references[layer].admit_rounding_row(uid, *got)
 
-    def _record(self, kind, uid, layer, where, got, want, tol, name: str = "outputs"):
+    def _record(self, kind, uid, layer, where, got, want, tol, name="outputs", ratios=None):
+        """Count one check of ``got`` against ``want`` (``ratios``: their excess ratios,
+        if the caller has them), and fail it past ``tol``."""
         if got.shape != want.shape:
             detail = f"{name} have shape {got.shape}, the reference {want.shape}"
             self._fail(kind, uid, layer, where, detail)
             return
-        ratios = excess_ratios(got, want, tol)
+        ratios = excess_ratios(got, want, tol) if ratios is None else ratios
         ratio = float(ratios.max()) if ratios.size else 0.0
         self.checks.setdefault(uid, RequestChecks()).add(kind, ratio)
         if not ratio <= 1.0:
