@@ -9,13 +9,25 @@ check, each with its own saved scenario; it exits 1 only for failures of the
 contract (policy differences are listed, see ``tqbatch.testing.checks``).
 ``--workers N`` runs N shards through pytest-xdist (``tqbatch.testing.shards``),
 each shard a distinct seed; every shard's failures are reported.
+``--database SPEC`` shares a Hypothesis example database
+(``tqbatch.testing.databases``) with every other campaign pointed at it: what
+is saved there is replayed first, and what is found is saved there.
+``--replay-only`` replays it and generates nothing (exit 5 when nothing was
+saved: nothing was checked). ``--junit-xml PATH`` writes a JUnit XML report
+(``tqbatch.testing.junit``).
 """
 
 from __future__ import annotations
 
+import sys
+
 from tqbatch.commands import add_impl_argument
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# --replay-only with nothing saved for the target: no example ran, so there is
+# no verdict (5, as pytest's "no tests collected"). A CI lane decides whether
+# that is acceptable, e.g. before the first nightly has saved anything.
+EXIT_NOTHING_CHECKED = 5
 
 
 def register(subparsers) -> None:
@@ -36,6 +48,12 @@ def register(subparsers) -> None:
         type=int,
         help="number of examples (machine runs) to generate; shrinking a failure runs more",
     )
+    budget.add_argument(
+        "--replay-only",
+        action="store_true",
+        help="replay the examples saved in --database and generate nothing "
+        "(exit 5 if none is saved: nothing was checked)",
+    )
     parser.add_argument(
         "--profile",
         default="nightly",
@@ -54,6 +72,22 @@ def register(subparsers) -> None:
         help="keep going after failures: every distinct failing check, each with its repro",
     )
     parser.add_argument(
+        "--database",
+        metavar="SPEC",
+        help="Hypothesis example database shared with other campaigns: a directory, "
+        "redis://HOST:PORT/DB, or github:OWNER/REPO[/ARTIFACT] (a workflow's artifact, "
+        "read-only, with a local directory). Saved failures are replayed first",
+    )
+    parser.add_argument(
+        "--database-local",
+        metavar="DIR",
+        help="with --database github:...: the local directory that keeps what this run "
+        "finds (default: .hypothesis/examples)",
+    )
+    parser.add_argument(
+        "--junit-xml", metavar="PATH", help="also write a JUnit XML report of the campaign"
+    )
+    parser.add_argument(
         "--no-contract-checks",
         action="store_true",
         help="skip structural contract checks (e.g. no `_idx` attribute) to reach deeper bugs",
@@ -69,6 +103,7 @@ def run(args) -> int:
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from tqbatch.testing.databases import DatabaseSpecError, check_database, open_database
     from tqbatch.testing.impl import impl_spec, load_impl, missing_capabilities
     from tqbatch.testing.shards import campaign_from_options, run_shards
 
@@ -77,8 +112,24 @@ def run(args) -> int:
     if args.workers < 1 or (args.examples is not None and args.examples < 1):
         console.print("[red]--workers and --examples must be positive[/red]")
         return EXIT_USAGE
-    if args.examples is None and args.minutes is None:
+    database = None
+    try:
+        if args.replay_only and not args.database:
+            raise DatabaseSpecError("--replay-only needs --database (what to replay)")
+        if args.database_local and not (args.database or "").startswith("github:"):
+            raise DatabaseSpecError("--database-local goes with --database github:OWNER/REPO")
+        if args.database:
+            database = open_database(args.database, local=args.database_local)
+            check_database(database, args.database)
+    except DatabaseSpecError as exc:  # one line, as tqbatch.cli reports a bad --impl
+        print(f"tqbatch fuzz: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.examples is None and args.minutes is None and not args.replay_only:
         args.minutes = 2.0
+    if args.replay_only and args.workers > 1:
+        # Every shard would replay the same saved examples.
+        console.print("--replay-only runs in one process: --workers is ignored")
+        args.workers = 1
     target = impl_spec(impl)
     missing = missing_capabilities(impl)
     if missing:
@@ -93,10 +144,14 @@ def run(args) -> int:
         "workers": args.workers,
         "survey": args.survey,
         "contract_checks": not args.no_contract_checks,
+        "database": args.database,
+        "database_local": args.database_local,
+        "replay_only": args.replay_only,
     }
 
+    verb = "replaying" if args.replay_only else "surveying" if args.survey else "fuzzing"
     with Progress(
-        TextColumn(("surveying" if args.survey else "fuzzing") + " {task.fields[impl]}"),
+        TextColumn(verb + " {task.fields[impl]}"),
         BarColumn(),
         TextColumn("{task.completed} examples"),
         TimeElapsedColumn(),
@@ -111,8 +166,9 @@ def run(args) -> int:
                 options,
                 args.seed,
                 lambda r: progress.update(task, completed=r.examples),
+                database=database,
             )
-    _print_summary(result, target, args.backend, missing)
+    _print_summary(result, target, args.backend, missing, args.database)
     from tqbatch.testing.campaign import save_failures
 
     paths = save_failures(result, args.out, backend=args.backend, options=options)
@@ -126,6 +182,25 @@ def run(args) -> int:
     for path in paths:
         if path is not None:
             console.print(f"saved as a scenario: {path}  (reproduce: tqbatch replay {path})")
+    nothing_checked = args.replay_only and not result.replayed and not result.failures
+    if args.junit_xml:
+        from tqbatch.testing.junit import write_junit
+
+        write_junit(
+            result,
+            args.junit_xml,
+            target=target,
+            paths=paths,
+            options=options,
+            nothing_checked=nothing_checked,
+        )
+        console.print(f"JUnit XML report: {args.junit_xml}")
+    if nothing_checked:
+        console.print(
+            f"nothing was checked: {args.database} holds no saved example of {target} "
+            "(with these switches)"
+        )
+        return EXIT_NOTHING_CHECKED
     if args.survey:
         from tqbatch.testing.campaign import conforms
 
@@ -133,7 +208,7 @@ def run(args) -> int:
     return EXIT_FAILED if result.failures else EXIT_OK
 
 
-def _print_summary(result, target, backend, missing) -> None:
+def _print_summary(result, target, backend, missing, database=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -145,6 +220,9 @@ def _print_summary(result, target, backend, missing) -> None:
     table.add_row("target", target)
     table.add_row("backend", describe_line(backend))
     table.add_row("examples", str(result.examples))
+    if database:
+        table.add_row("database", database)
+        table.add_row("replayed from the database", str(result.replayed))
     table.add_row("shrink runs", str(result.shrink_runs))
     table.add_row("ops", str(sum(result.op_counts.values())))
     table.add_row("seconds", f"{result.seconds:.0f}")
@@ -155,9 +233,14 @@ def _print_summary(result, target, backend, missing) -> None:
     for shard in sorted(result.shards, key=lambda s: s["shard"]):
         table.add_row(
             f"  shard {shard['shard']}",
-            f"{shard['examples']} examples, {shard['failures']} failures",
+            f"{shard['examples']} examples, "
+            + (f"{shard.get('replayed', 0)} replayed, " if database else "")
+            + f"{shard['failures']} failures",
         )
     table.add_row("failures", str(len(result.failures)))
+    if database:
+        found = sum(1 for f in result.failures if f.get("replayed"))
+        table.add_row("  found while replaying", str(found))
     table.add_row("skipped (unsupported)", ", ".join(missing) or "-")
     Console().print(table)
 

@@ -23,23 +23,37 @@ shrinks each round for at most ``SHRINK_RUNS`` runs (``shrink_budget``), then
 ``tqbatch.testing.minimize`` drops single ops from each failure for at most
 ``MINIMIZE_REPLAYS`` replays. A failure not yet minimal by then is reported
 as far as it got.
+
+Campaigns share what they find through a Hypothesis example database
+(``database``: an ``ExampleDatabase`` or a spec for
+``tqbatch.testing.databases.open_database``). Hypothesis saves every failure
+it finds there; a campaign's first round replays every saved example
+(Hypothesis's reuse phase) before generating anything, and ``replay_only``
+does nothing else. ``replayed`` counts those runs, and each failure's
+``replayed`` says whether it was found while replaying. The examples of a
+campaign are saved under ``campaign_key``: the target and the switches that
+decide whether a saved example still fails.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+import unittest
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
+from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Unsatisfiable
 from hypothesis.reporting import current_reporter, with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
 from tqbatch.testing.checks import CHECKS, HARNESS
+from tqbatch.testing.impl import impl_spec
 from tqbatch.testing.minimize import minimize
 from tqbatch.testing.profiles import register_profiles
 from tqbatch.testing.stateful import UnsupportedOpsWarning, machine_for
@@ -50,6 +64,7 @@ __all__ = [
     "SHRINK_RUNS",
     "CampaignResult",
     "RunClock",
+    "campaign_key",
     "conforms",
     "run_campaign",
     "save_failures",
@@ -132,8 +147,10 @@ class CampaignResult:
     ``failures``: dicts of ``tqbatch.testing.stateful.Failure`` (identity,
     check, level, ops, config, message, ...), one per identity, in the order
     found; ``tolerated`` the identities tolerated when each was found is in
-    its ``tolerated`` key. ``shards``: per-shard summaries of a ``--workers``
-    campaign.
+    its ``tolerated`` key, and its ``replayed`` key says whether it was found
+    while replaying the example database. ``replayed``: test runs of saved
+    examples replayed from the database (not counted in ``examples``).
+    ``shards``: per-shard summaries of a ``--workers`` campaign.
     """
 
     examples: int = 0
@@ -148,6 +165,7 @@ class CampaignResult:
     rounds: int = 0
     exhausted: bool = False  # every example ended in a known failure: nothing more to find
     shards: list = field(default_factory=list)
+    replayed: int = 0
 
     @property
     def failure(self) -> dict | None:
@@ -158,6 +176,7 @@ class CampaignResult:
         """Add a shard's result: counts add up; a failure per identity, the shortest kept."""
         self.examples += other.examples
         self.shrink_runs += other.shrink_runs
+        self.replayed += other.replayed
         self.rounds += other.rounds
         self.rounding_admitted += other.rounding_admitted
         for name, n in other.op_counts.items():
@@ -201,11 +220,14 @@ class _Counter:
 
     Op counts of an example are added only when Hypothesis says it generated
     it (not while shrinking). Without observability every run counts as an
-    example.
+    example. Runs of Hypothesis's reuse phase (saved examples replayed from
+    the database) count as ``replayed``; ``on_failed_replay`` is called after
+    each that failed.
     """
 
     def __init__(self, result: CampaignResult, on_example):
         self.result, self.on_example = result, on_example
+        self.on_failed_replay: Callable[[], None] | None = None
         self.pending: tuple[dict, dict, int] | None = None
         self.observed = False
 
@@ -219,14 +241,21 @@ class _Counter:
             return
         self.observed = True
         how = str(getattr(case, "how_generated", ""))
+        if "reuse" in how:  # "during reuse phase": a saved example, replayed
+            if getattr(case, "status", None) == "failed" and self.on_failed_replay:
+                self.on_failed_replay()
+            self._count(generated=False, replayed=True)
+            return
         self._count(generated="generate" in how or "explicit" in how)
 
-    def _count(self, generated: bool):
+    def _count(self, generated: bool, replayed: bool = False):
         if self.pending is None:
             return
         ops, pairs, admitted = self.pending
         self.pending = None
-        if generated:
+        if replayed:
+            self.result.replayed += 1
+        elif generated:
             self.result.examples += 1
             self.result.rounding_admitted += admitted
             for name, n in ops.items():
@@ -261,6 +290,8 @@ def run_campaign(
     contract_checks: bool = True,
     on_example: Callable[[CampaignResult], None] | None = None,
     shrink_runs: int | None = SHRINK_RUNS,
+    database: ExampleDatabase | str | None = None,
+    replay_only: bool = False,
 ) -> CampaignResult:
     """Run the machine against ``impl`` until ``examples`` or ``minutes`` is spent.
 
@@ -269,9 +300,21 @@ def run_campaign(
     when every example ends in a failure it already has (``exhausted``).
     ``shrink_runs`` bounds each Hypothesis shrink (None: Hypothesis's own
     bound, in seconds).
+
+    ``database`` (an example database or a spec for ``open_database``):
+    failures are saved there, and the first round replays what is saved
+    under this campaign's key before it generates. ``replay_only`` replays
+    every saved example, shrinks what still fails and generates nothing (no
+    budget needed); ``replayed == 0`` then means nothing was checked.
     """
-    if examples is None and minutes is None:
+    if replay_only and database is None:
+        raise ValueError("replay_only needs a database to replay")
+    if examples is None and minutes is None and not replay_only:
         raise ValueError("run_campaign needs an example budget or a time budget")
+    if isinstance(database, str):
+        from tqbatch.testing.databases import open_database
+
+        database = open_database(database)
     register_profiles()
     base = settings.get_profile(profile)
     result = CampaignResult()
@@ -285,6 +328,7 @@ def run_campaign(
         )
     counter = _Counter(result, on_example)
     clock = RunClock()
+    replayed_failures: set[str] = set()  # identities of saved examples that failed again
 
     class Counting(machine):
         def __init__(self):
@@ -304,6 +348,19 @@ def run_campaign(
                 world.refs.admitted if world is not None else 0,
             )
 
+    # Hypothesis keys a state machine's examples by the digest of its factory,
+    # which reads this attribute: without it every target's campaign (one
+    # class, Counting) would save and replay under one key.
+    Counting._hypothesis_internal_add_digest = campaign_key(
+        impl, contract_checks=contract_checks, survey=survey
+    )
+
+    def failed_replay():
+        failure = Counting.last_failure  # recorded by the run that just failed
+        if failure is not None:
+            replayed_failures.add(failure.identity or failure.message)
+
+    counter.on_failed_replay = failed_replay
     add, remove = _observability()
     if add is not None:
         add(counter.observe)
@@ -311,18 +368,28 @@ def run_campaign(
     deadline = start + minutes * 60 if minutes else None
     try:
         while True:
+            if replay_only and result.rounds:
+                break  # what is saved was replayed in the first round
             if examples is not None and result.examples >= examples:
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 break
             left = ROUND_EXAMPLES if examples is None else examples - result.examples
+            phases = [Phase.generate, Phase.shrink]
+            if replay_only:
+                phases = [Phase.reuse, Phase.shrink]
+            elif database is not None and result.rounds == 0:
+                phases = [Phase.reuse, *phases]  # saved failures first, then new examples
             round_settings = settings(
                 base,
                 max_examples=min(ROUND_EXAMPLES, left),
+                # derandomize=True (the ci profile) would also make Hypothesis
+                # ignore the database.
                 derandomize=False,
-                database=None,
-                phases=[Phase.generate, Phase.shrink],
-                report_multiple_bugs=survey,
+                database=database,
+                phases=phases,
+                # Replaying, every saved failure that still fails is reported.
+                report_multiple_bugs=survey or replay_only,
                 # A survey ends examples at known failures (a rejection).
                 suppress_health_check=list(HealthCheck),
             )
@@ -336,11 +403,14 @@ def run_campaign(
             except Unsatisfiable:
                 result.exhausted = True  # every example hit a known, diverging failure
                 break
+            except unittest.SkipTest:
+                break  # replay_only, and nothing saved under this key: nothing ran
             except Exception as exc:  # noqa: BLE001 - whatever the run raised is reported
                 found = _found(Counting, exc, sorted(known))
                 for failure in found:
                     _minimize(impl, failure, contract_checks)
                 for failure in found:
+                    failure["replayed"] = _key(failure) in replayed_failures
                     known[_key(failure)] = failure
                     result.failures.append(failure)
                 Counting.avoid_cases = frozenset(_diverging_cases(known))
@@ -352,6 +422,29 @@ def run_campaign(
             remove(counter.observe)
     result.seconds = time.monotonic() - start
     return result
+
+
+def campaign_key(impl: type, *, contract_checks: bool = True, survey: bool = False) -> bytes:
+    """What a campaign's examples are saved under in an example database (Hypothesis hashes it).
+
+    The target, and the switches that decide whether a saved example still
+    fails: without the contract checks a structural failure does not fire,
+    and a survey draws its later examples with known failures tolerated and
+    their bad-input cases avoided, so the same choices make other ops. A
+    campaign replaying another's examples would report nothing new and, the
+    examples no longer failing, delete them from the shared database. The
+    profile (steps per example) is left out: it only bounds how long an
+    example may be.
+    """
+    return json.dumps(
+        {
+            "campaign": "tqbatch.testing.campaign",
+            "target": impl_spec(impl),
+            "contract_checks": bool(contract_checks),
+            "survey": bool(survey),
+        },
+        sort_keys=True,
+    ).encode()
 
 
 def _diverging_cases(known: dict) -> set[str]:

@@ -5,7 +5,9 @@ test, ``test_fuzz_shard``, runs ``campaign_from_options`` with seed
 ``seed * 1000 + shard`` and keeps its ``CampaignResult`` in a JSON file
 (rewritten after every example, so progress can be polled). The parent
 adds the shards' results up (``CampaignResult.absorb``): every shard's
-failures are kept, each shard's counts are listed. The test is collected only
+failures are kept, each shard's counts are listed. With a ``database``
+option every shard opens that one example database: each replays what is
+saved there, and what any shard finds is saved there. The test is collected only
 when this module is named on the command line with its settings in
 ``$TQBATCH_FUZZ_SHARD``.
 """
@@ -28,8 +30,19 @@ __all__ = ["campaign_from_options", "run_shards"]
 _ENV = "TQBATCH_FUZZ_SHARD"  # JSON settings of a pytest-xdist shard
 
 
-def campaign_from_options(impl, options: dict, seed: int, on_example=None) -> CampaignResult:
-    """``run_campaign`` with the budget and switches of ``tqbatch fuzz``'s saved options."""
+def campaign_from_options(
+    impl, options: dict, seed: int, on_example=None, database=None
+) -> CampaignResult:
+    """``run_campaign`` with the budget and switches of ``tqbatch fuzz``'s saved options.
+
+    The example database is ``database`` if given (one already opened), else
+    the one ``options["database"]`` names (``database_local``: the local
+    directory of a ``github:`` spec), else none.
+    """
+    if database is None and options.get("database"):
+        from tqbatch.testing.databases import open_database
+
+        database = open_database(options["database"], local=options.get("database_local"))
     return run_campaign(
         impl,
         examples=options["examples"],
@@ -39,6 +52,8 @@ def campaign_from_options(impl, options: dict, seed: int, on_example=None) -> Ca
         survey=options["survey"],
         contract_checks=options["contract_checks"],
         on_example=on_example,
+        database=database,
+        replay_only=options.get("replay_only", False),
     )
 
 
@@ -103,6 +118,7 @@ def test_fuzz_shard(shard):
             {
                 "shard": shard,
                 "examples": result.examples,
+                "replayed": result.replayed,
                 "failures": len(result.failures),
                 "seconds": result.seconds,
             }

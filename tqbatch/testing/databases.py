@@ -1,0 +1,140 @@
+"""Example databases a campaign shares with other campaigns: ``tqbatch fuzz --database SPEC``.
+
+Hypothesis saves every failing example (its choice sequence) under the
+test's key in its example database and, in its reuse phase, replays what is
+saved before generating anything new. Pointing many campaigns, on one
+machine or many, at one database is how they share what they find: the
+database is the only thing they share. ``open_database`` turns a spec into
+one of Hypothesis's own databases:
+
+- a directory path: ``DirectoryBasedExampleDatabase`` (on shared storage,
+  every machine that mounts it shares it);
+- ``redis://HOST:PORT/DB`` (or ``rediss://`` for TLS): a
+  ``RedisExampleDatabase`` (needs the ``redis`` package, the ``redis`` extra);
+- ``github:OWNER/REPO`` or ``github:OWNER/REPO/ARTIFACT``: the example
+  database a GitHub Actions workflow uploaded as the artifact ``ARTIFACT``
+  (default ``hypothesis-example-db``), read-only, multiplexed with a local
+  directory (``local``, default ``.hypothesis/examples``) that receives what
+  this run finds. The artifact is read with ``$GITHUB_TOKEN``.
+
+A bad spec raises ``DatabaseSpecError`` (one line, for the CLI's usage error).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hypothesis.database import (
+    DirectoryBasedExampleDatabase,
+    ExampleDatabase,
+    GitHubArtifactDatabase,
+    MultiplexedDatabase,
+    ReadOnlyDatabase,
+)
+
+__all__ = [
+    "DEFAULT_ARTIFACT",
+    "DEFAULT_LOCAL",
+    "DatabaseSpecError",
+    "check_database",
+    "open_database",
+]
+
+DEFAULT_LOCAL = ".hypothesis/examples"  # where Hypothesis keeps its own local database
+DEFAULT_ARTIFACT = "hypothesis-example-db"  # GitHubArtifactDatabase's default artifact name
+
+_GITHUB_OWNER = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})")
+_GITHUB_REPO = re.compile(r"[A-Za-z0-9._-]{1,100}")
+# GitHub refuses these in artifact names.
+_ARTIFACT_FORBIDDEN = set('":<>|*?\\/\r\n')
+
+
+# A key no campaign saves under (campaign keys are hashed by Hypothesis).
+_PROBE_KEY = b"tqbatch.testing.databases: can this database be read?"
+
+
+class DatabaseSpecError(ValueError):
+    """A ``--database`` spec that names no usable example database."""
+
+
+def open_database(spec: str, *, local: str | Path | None = None) -> ExampleDatabase:
+    """The Hypothesis example database ``spec`` names (see the module docstring).
+
+    ``local`` is the directory a ``github:`` spec multiplexes with the
+    read-only artifact (default ``DEFAULT_LOCAL``); other specs ignore it.
+    Nothing is connected to or downloaded here: ``check_database`` reads it
+    once (a Redis server, the GitHub artifact).
+    """
+    spec = spec.strip() if isinstance(spec, str) else spec
+    if not isinstance(spec, str) or not spec:
+        raise DatabaseSpecError("--database needs a directory, a redis:// URL or github:OWNER/REPO")
+    if spec.startswith("github:"):
+        return _github(spec, local)
+    scheme = spec.split("://", 1)[0].lower() if "://" in spec else None
+    if scheme in ("redis", "rediss"):
+        return _redis(spec)
+    if scheme is not None:
+        raise DatabaseSpecError(
+            f"unknown database scheme {scheme}:// in {spec!r} "
+            "(a directory, redis://HOST:PORT/DB or github:OWNER/REPO[/ARTIFACT])"
+        )
+    return _directory(spec)
+
+
+def check_database(db: ExampleDatabase, spec: str) -> None:
+    """Read ``db`` once now; raise ``DatabaseSpecError`` if it cannot be reached.
+
+    Without this a campaign would fail only at its first read or save, deep
+    inside Hypothesis (a Redis server that is down). The first read also
+    fetches a GitHub artifact into Hypothesis's cache (for a day), so that
+    shards started afterwards read the cached copy instead of each fetching
+    it; one that cannot be fetched makes Hypothesis warn and read nothing
+    from it. A directory is created on the first save.
+    """
+    try:
+        for _ in db.fetch(_PROBE_KEY):
+            pass
+    except Exception as exc:  # noqa: BLE001 - redis raises many kinds; one line for the user
+        raise DatabaseSpecError(f"cannot read the database {spec}: {exc}") from exc
+
+
+def _directory(spec: str) -> ExampleDatabase:
+    path = Path(spec).expanduser()
+    if path.exists() and not path.is_dir():
+        raise DatabaseSpecError(f"--database {spec!r} is a file, not a directory")
+    return DirectoryBasedExampleDatabase(path)
+
+
+def _redis(spec: str) -> ExampleDatabase:
+    try:
+        import redis
+        from hypothesis.extra.redis import RedisExampleDatabase
+    except ImportError as exc:
+        raise DatabaseSpecError(
+            f"--database {spec} needs the redis package: pip install 'tqbatch[redis]'"
+        ) from exc
+    try:
+        client = redis.Redis.from_url(spec)
+    except ValueError as exc:  # redis-py's message for a malformed URL
+        raise DatabaseSpecError(f"bad Redis URL {spec!r}: {exc}") from exc
+    return RedisExampleDatabase(client)
+
+
+def _github(spec: str, local: str | Path | None) -> ExampleDatabase:
+    parts = spec[len("github:") :].split("/")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise DatabaseSpecError(f"bad GitHub database {spec!r}: github:OWNER/REPO[/ARTIFACT]")
+    owner, repo = parts[:2]
+    artifact = parts[2] if len(parts) == 3 else DEFAULT_ARTIFACT
+    if not _GITHUB_OWNER.fullmatch(owner):
+        raise DatabaseSpecError(f"bad GitHub owner {owner!r} in {spec!r}")
+    if not _GITHUB_REPO.fullmatch(repo) or repo in (".", ".."):
+        raise DatabaseSpecError(f"bad GitHub repository {repo!r} in {spec!r}")
+    if _ARTIFACT_FORBIDDEN & set(artifact):
+        raise DatabaseSpecError(f"bad GitHub artifact name {artifact!r} in {spec!r}")
+    local_db = _directory(str(local if local is not None else DEFAULT_LOCAL))
+    # GitHubArtifactDatabase cannot write (it raises on save): Hypothesis's
+    # recipe wraps it read-only, and what this run finds goes to local_db.
+    shared = ReadOnlyDatabase(GitHubArtifactDatabase(owner, repo, artifact_name=artifact))
+    return MultiplexedDatabase(local_db, shared)
