@@ -17,6 +17,11 @@ bit-identical to mlx-vlm's and dequantized tokens equal
 MSE codec at integer bits 1-8, off Metal. Everything else stays on mlx-vlm's
 path: fractional bits' split codecs, and Metal, where mlx-vlm's fused kernels
 serve (fast there, and possibly rounding otherwise than these ops).
+
+``quantize_plain``, ``dequantize_plain`` and ``attend_plain`` are the same ops
+without the Metal gate (any ``servable`` codec, any device): on Metal they are
+the plain-MLX reference that the backend check compares mlx-vlm's kernels with
+(``tqbatch.testing.kernel_check``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,18 @@ from mlx_vlm.turboquant import _EPS, TurboQuantMSEState, _TurboQuantMSECodec
 
 from tqbatch._masks import CausalRows
 
-__all__ = ["attend", "covers", "dequantize", "pack", "quantize", "unpack"]
+__all__ = [
+    "attend",
+    "attend_plain",
+    "covers",
+    "dequantize",
+    "dequantize_plain",
+    "pack",
+    "quantize",
+    "quantize_plain",
+    "servable",
+    "unpack",
+]
 
 # quantize/dequantize/attend take any codec and fall back to mlx-vlm's own
 # methods for the ones ``covers`` declines, so callers need no branch.
@@ -39,9 +55,13 @@ _METAL = mx.metal.is_available()
 
 def covers(codec) -> bool:
     """Whether ``codec`` is served here: an MSE codec at integer bits 1-8, off Metal."""
+    return not _METAL and servable(codec)
+
+
+def servable(codec) -> bool:
+    """Whether the ops here compute ``codec``: an MSE codec at integer bits 1-8 (any device)."""
     return (
-        not _METAL
-        and type(codec) is _TurboQuantMSECodec
+        type(codec) is _TurboQuantMSECodec
         and isinstance(codec.bits, int)
         and 1 <= codec.bits <= 8
         and codec.dim > 0
@@ -148,6 +168,11 @@ def quantize(codec, vectors: mx.array):
     """``codec.quantize(vectors)``, bit for bit: float16 norms and packed codes."""
     if not covers(codec):
         return codec.quantize(vectors)
+    return quantize_plain(codec, vectors)
+
+
+def quantize_plain(codec, vectors: mx.array) -> TurboQuantMSEState:
+    """``quantize`` in these plain ops on any device; ``codec`` must be ``servable``."""
     x = vectors.astype(mx.float32)
     norms = mx.linalg.norm(x, axis=-1)
     unit = x / mx.maximum(norms[..., None], _EPS)
@@ -190,6 +215,11 @@ def dequantize(codec, state) -> mx.array:
     """``codec.dequantize(state)``: float32 tokens, through the codec's inverse rotation."""
     if not covers(codec):
         return codec.dequantize(state)
+    return dequantize_plain(codec, state)
+
+
+def dequantize_plain(codec, state: TurboQuantMSEState) -> mx.array:
+    """``dequantize`` in these plain ops on any device; ``codec`` must be ``servable``."""
     unit = codec._rotate_inverse(_unit_codebook_vectors(codec, state))
     return state.norms[..., None].astype(unit.dtype) * unit
 
@@ -218,6 +248,19 @@ def attend(
         return None
     if not (isinstance(keys, TurboQuantMSEState) and isinstance(values, TurboQuantMSEState)):
         return None
+    return attend_plain(queries, keys, values, key_codec, value_codec, scale, mask)
+
+
+def attend_plain(
+    queries: mx.array,
+    keys: TurboQuantMSEState,
+    values: TurboQuantMSEState,
+    key_codec,
+    value_codec,
+    scale: float,
+    mask=None,
+) -> mx.array:
+    """``attend`` in these plain ops on any device: ``servable`` codecs, MSE states."""
     B, n_q, L, D = queries.shape
     n_kv, T = keys.norms.shape[1], keys.norms.shape[2]
     group = n_q // n_kv

@@ -16,13 +16,19 @@ does three things before it tests anything:
    whose answers are known exactly (integer matmuls, a matmul that tells
    float32 from TF32, bit packing, gathers, a Hadamard transform, fused
    attention) and raises :class:`BackendError` if any is wrong, or if the
-   measured matmul precision is not the one requested. A paravirtual or
-   broken GPU (GitHub's hosted macOS runners expose one; custom kernels have
-   returned zeros there) then stops the run with that message instead of
-   turning into cache failures.
+   measured matmul precision is not the one requested. Where the cache runs
+   mlx-vlm's Metal kernels (:func:`kernels_in_use`: wherever Metal is
+   present), it also runs each write, read-out and decode step the cache takes
+   there through those kernels and through plain MLX ops, at tiny shapes, and
+   names every disagreement, error and all-zeros result
+   (``tqbatch.testing.kernel_check``). A paravirtual or broken GPU (GitHub's
+   hosted macOS runners expose one; custom kernels have returned zeros there)
+   then stops the run with that message instead of turning into cache
+   failures.
 
 :func:`describe` is what reports and saved failures record: mlx version,
-device, requested and measured precision.
+device, requested and measured precision, and which custom kernels the cache
+runs and whether they were checked.
 
 Importing this module does not import mlx.
 """
@@ -41,6 +47,7 @@ __all__ = [
     "check_backend",
     "describe",
     "describe_line",
+    "kernels_in_use",
     "matmul_precision",
     "requested_precision",
     "select_device",
@@ -150,6 +157,47 @@ def matmul_precision() -> str:
     return _measured_precision(_device_type())
 
 
+def kernels_in_use() -> bool:
+    """Whether the cache's codec steps run mlx-vlm's Metal kernels in this process.
+
+    mlx-vlm dispatches its kernels wherever Metal is present
+    (``mlx_vlm.turboquant._metal_available``: ``mx.metal.is_available()``,
+    whatever MLX's default device), and tqbatch's cache defers to mlx-vlm there
+    (``tqbatch._codec.covers``). The same test, without importing mlx-vlm.
+    """
+    import mlx.core as mx
+
+    return hasattr(mx, "metal") and mx.metal.is_available()
+
+
+# Device types on which mlx-vlm's kernels passed the check in this process.
+_KERNELS_CHECKED: set[str] = set()
+
+
+def _kernel_problems() -> list[str]:
+    """mlx-vlm's Metal kernels against plain MLX ops where the cache runs them; else nothing.
+
+    Off Metal this returns at once: mlx-vlm is not even imported.
+    """
+    if not kernels_in_use():
+        return []
+    from tqbatch.testing import kernel_check
+
+    try:
+        precision = matmul_precision()
+    except BackendError:
+        precision = "tf32"  # the looser bound; the failed measurement is reported on its own
+    problems = kernel_check.problems(kernel_check.METAL, kernel_check.PLAIN, precision=precision)
+    if not problems:
+        _KERNELS_CHECKED.add(_device_type())
+    elif _device_type() == "cpu":
+        problems.append(
+            "MLX's default device is the CPU, but mlx-vlm dispatches its Metal kernels "
+            "wherever Metal is present, and MLX runs a Metal kernel only on the GPU"
+        )
+    return problems
+
+
 def _known_answers() -> list[str]:
     """Every known-answer computation that came out wrong, as sentences."""
     import mlx.core as mx
@@ -197,7 +245,7 @@ def _known_answers() -> list[str]:
     expect("fused attention", got, want, atol=1e-4)
     if not problems and not np.any(np.array(got)):
         problems.append("fused attention returned all zeros")
-    return problems
+    return problems + _kernel_problems()
 
 
 def check_backend(precision: str | None = None) -> dict:
@@ -240,7 +288,16 @@ def describe() -> dict:
         "device_name": _device_name(),
         "precision": requested_precision(),
         "matmul_precision": matmul_precision(),
+        "kernels": _kernels(),
     }
+
+
+def _kernels() -> str:
+    """The custom kernels the cache's codec runs here, and whether this process checked them."""
+    if not kernels_in_use():
+        return "none (plain MLX ops)"
+    checked = "checked" if _device_type() in _KERNELS_CHECKED else "not checked"
+    return f"mlx-vlm metal ({checked})"
 
 
 def describe_line(info: dict | None = None) -> str:
@@ -249,5 +306,6 @@ def describe_line(info: dict | None = None) -> str:
     return (
         f"mlx {info['mlx']} on {info['device']} ({info['device_name']}), "
         f"float32 matmuls at {info['matmul_precision']} ({TF32_VARIABLE}="
-        f"{'0' if info['precision'] == 'float32' else '1'})"
+        f"{'0' if info['precision'] == 'float32' else '1'}), "
+        f"kernels: {info.get('kernels', 'not recorded')}"
     )
