@@ -50,7 +50,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Unsatisfiable
 from hypothesis.reporting import current_reporter, with_reporter
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.stateful import get_state_machine_test
 
 from tqbatch.testing.checks import CHECKS, HARNESS
 from tqbatch.testing.impl import impl_spec
@@ -348,12 +348,7 @@ def run_campaign(
                 world.refs.admitted if world is not None else 0,
             )
 
-    # Hypothesis keys a state machine's examples by the digest of its factory,
-    # which reads this attribute: without it every target's campaign (one
-    # class, Counting) would save and replay under one key.
-    Counting._hypothesis_internal_add_digest = campaign_key(
-        impl, contract_checks=contract_checks, survey=survey
-    )
+    key = campaign_key(impl, contract_checks=contract_checks, survey=survey)
 
     def failed_replay():
         failure = Counting.last_failure  # recorded by the run that just failed
@@ -364,6 +359,9 @@ def run_campaign(
     add, remove = _observability()
     if add is not None:
         add(counter.observe)
+        # It reports every run, so none is counted before it says what it was:
+        # with a database, a campaign's first run is a replay, not an example.
+        counter.observed = True
     start = time.monotonic()
     deadline = start + minutes * 60 if minutes else None
     try:
@@ -399,7 +397,7 @@ def run_campaign(
             Counting.last_failure = None
             try:
                 with shrink_budget(shrink_runs, clock):
-                    run_state_machine_as_test(Counting, settings=round_settings)
+                    _run_machine(Counting, round_settings, key)
             except Unsatisfiable:
                 result.exhausted = True  # every example hit a known, diverging failure
                 break
@@ -424,8 +422,24 @@ def run_campaign(
     return result
 
 
+def _run_machine(machine: type, round_settings: settings, key: bytes) -> None:
+    """``run_state_machine_as_test(machine)``, saving examples under the database key ``key``.
+
+    Hypothesis would key them by a digest of the machine class (the same
+    ``Counting`` for every target, so every target's campaign would replay
+    every other's) and of its own state-machine runner's source, which
+    changes with its version, and of the class's source, which Python
+    versions read differently for a local class: a nightly and a pull
+    request on other versions would never share a find. An explicit key is
+    what Hypothesis's own ``find`` sets.
+    """
+    test = get_state_machine_test(machine, settings=round_settings)
+    test._hypothesis_internal_database_key = key
+    test()
+
+
 def campaign_key(impl: type, *, contract_checks: bool = True, survey: bool = False) -> bytes:
-    """What a campaign's examples are saved under in an example database (Hypothesis hashes it).
+    """What a campaign's examples are saved under in an example database (its key, exactly).
 
     The target, and the switches that decide whether a saved example still
     fails: without the contract checks a structural failure does not fire,
