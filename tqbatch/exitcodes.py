@@ -32,6 +32,21 @@ class ExitCode(enum.IntEnum):
     NO_HARNESS = 4
     NOTHING_CHECKED = 5
 
+    @property
+    def meaning(self) -> str:
+        """What the code says, in a few words (e.g. for a CI summary)."""
+        return _MEANINGS[self]
+
+
+_MEANINGS = {
+    ExitCode.OK: "clean",
+    ExitCode.DEFECT: "the target has a defect",
+    ExitCode.USAGE: "usage error, or a target that does not load",
+    ExitCode.BACKEND: "the backend failed its known-answer check",
+    ExitCode.NO_HARNESS: "the harness extra is not installed",
+    ExitCode.NOTHING_CHECKED: "nothing was checked",
+}
+
 
 HARNESS_EXTRA = "harness"
 # Top-level modules of the harness extra's packages (pyproject.toml's

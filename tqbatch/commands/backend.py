@@ -3,13 +3,15 @@
 Every command runs the check before it starts (``tqbatch.cli``); this one
 only reports it, so a CI workflow can pick the device that passes
 (``tqbatch backend --device gpu || ...``). Exit 0 when the check passes,
-3 when it fails.
+3 when it fails (``tqbatch.exitcodes``). It needs none of the harness extra.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+
+from tqbatch.exitcodes import ExitCode
 
 
 def register(subparsers) -> None:
@@ -26,4 +28,4 @@ def run(args: argparse.Namespace) -> int:
     from tqbatch.testing.backend import describe_line
 
     print(json.dumps(args.backend) if args.json else f"backend OK: {describe_line(args.backend)}")
-    return 0
+    return ExitCode.OK

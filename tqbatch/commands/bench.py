@@ -1,11 +1,20 @@
-"""``tqbatch bench``: time the target's ops beside mlx-lm's BatchKVCache, print ratios."""
+"""``tqbatch bench``: time the target's ops beside mlx-lm's BatchKVCache, print ratios.
+
+A measurement, not a verdict: it never exits 1. Exit codes
+(``tqbatch.exitcodes``): 0 timed; 2 a usage error (e.g. ``--plot`` without
+matplotlib), a target that does not load or one without ``merge`` (every
+workload starts from it); 3 the backend failed its check; 5 nothing was
+timed: the target lacks every op asked for. Under GitHub Actions the table is
+also appended to ``$GITHUB_STEP_SUMMARY``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
 
-from tqbatch.commands import add_impl_argument
+from tqbatch.commands import add_impl_argument, step_summary
+from tqbatch.exitcodes import ExitCode
 from tqbatch.testing.backend import describe_line
 from tqbatch.testing.impl import capabilities, impl_spec
 from tqbatch.workbench import bench
@@ -66,14 +75,14 @@ def register(subparsers) -> None:
 def run(args) -> int:
     if args.decode and args.plot:
         print("tqbatch bench: --plot draws the op table; drop it with --decode", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     if args.plot:
         # Fail before minutes of timing, not after.
         try:
             bench.require_matplotlib()
         except ImportError as err:
             print(f"tqbatch bench --plot: {err}", file=sys.stderr)
-            return 2
+            return ExitCode.USAGE
     impl = bench.load_impl(args.impl)  # a bad target: ImplSpecError, reported by tqbatch.cli
     caps = capabilities(impl)
     name = impl_spec(impl)
@@ -83,18 +92,21 @@ def run(args) -> int:
             f"{name} has no merge",
             file=sys.stderr,
         )
-        return 2
+        return ExitCode.USAGE
     runnable = [op for op in args.ops if all(caps.get(c) for c in _NEEDS[op])]
     skipped = [op for op in args.ops if op not in runnable]
     if skipped:
         print(f"tqbatch bench: {name} lacks {', '.join(skipped)}: not timed", file=sys.stderr)
+    if not runnable and not args.decode:
+        print("tqbatch bench: nothing was timed", file=sys.stderr)
+        return ExitCode.NOTHING_CHECKED
     args.ops = runnable
     parameters = bench.FULL if args.full else bench.SMALL
     grid = bench.DECODE_FULL if args.full else bench.DECODE_SMALL
     if args.rounds is not None:
         if args.rounds < 1:
             print("tqbatch bench: --rounds must be at least 1", file=sys.stderr)
-            return 2
+            return ExitCode.USAGE
         parameters = dataclasses.replace(parameters, rounds=args.rounds)
         grid = dataclasses.replace(grid, rounds=args.rounds)
     progress = lambda what: print(f"timing {what}", file=sys.stderr, flush=True)  # noqa: E731
@@ -107,7 +119,8 @@ def run(args) -> int:
         )
         print()
         print(bench.decode_table(rows))
-        return 0
+        step_summary(f"### tqbatch bench --decode\n\n{name}\n\n{bench.decode_table(rows)}")
+        return ExitCode.OK
 
     rows = bench.compare(
         parameters,
@@ -123,7 +136,8 @@ def run(args) -> int:
     )
     print()
     print(bench.markdown_table(rows))
+    step_summary(f"### tqbatch bench\n\n{name}\n\n{bench.markdown_table(rows)}")
     if args.plot:
         bench.plot(rows, args.plot)
         print(f"\nplot written to {args.plot}")
-    return 0
+    return ExitCode.OK

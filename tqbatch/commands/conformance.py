@@ -6,13 +6,21 @@ of a fixed seed: the table is the same on every run. By default the targets
 are mlx-vlm's ``BatchTurboQuantKVCache``, tqbatch's cache and the mutants
 that reintroduce the omlx seed's defects (the package cannot ship omlx's
 code). ``--markdown`` prints the README's conformance table.
+
+Exit codes (``tqbatch.exitcodes``): the verdict is tqbatch's own cache's
+(when it is among the targets): 1 if it does not conform or has policy
+differences, else 0, whatever the other targets do; 2 a usage error or a
+target that does not load; 3 the backend failed its check; 4 the harness
+extra is missing; 5 nothing was checked: no target ran an example. Under
+GitHub Actions the markdown table is also appended to ``$GITHUB_STEP_SUMMARY``.
 """
 
 from __future__ import annotations
 
 import sys
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+from tqbatch.commands import step_summary
+from tqbatch.exitcodes import ExitCode
 
 # Short names for the targets the README compares.
 ALIASES = {
@@ -55,6 +63,9 @@ def run(args) -> int:
     from tqbatch.testing.campaign import conforms, run_campaign
     from tqbatch.testing.impl import load_impl
 
+    if args.examples < 1:
+        print("tqbatch conformance: --examples must be positive", file=sys.stderr)
+        return ExitCode.USAGE
     targets = args.targets or _default_targets()
     # A bad target: ImplSpecError, reported by tqbatch.cli.
     impls = [load_impl(ALIASES.get(t, t)) for t in targets]
@@ -74,15 +85,30 @@ def run(args) -> int:
             own_ok = conforms(result) and not policy
         print(_line(rows[-1]), file=sys.stderr if args.markdown else sys.stdout, flush=True)
     if args.markdown:
-        print(f"<!-- {args.examples} examples, seed {args.seed}, profile {args.profile} -->")
-        print("| target | conforms | contract failures | policy differences |")
-        print("|---|---|---|---|")
-        for name, ok, contract, policy, _ in rows:
-            print(
-                f"| `{name.rsplit(':', 1)[-1] if ':' in name else name}` | {'yes' if ok else 'no'} "
-                f"| {_cell(contract)} | {_cell(policy)} |"
-            )
-    return EXIT_OK if own_ok else EXIT_FAILED
+        print(_markdown(rows, args))
+    if not any(examples or contract or policy for _, _, contract, policy, examples in rows):
+        print("tqbatch conformance: no target ran an example: nothing was checked", file=sys.stderr)
+        code = ExitCode.NOTHING_CHECKED
+    else:
+        code = ExitCode.OK if own_ok else ExitCode.DEFECT
+    step_summary(
+        f"### tqbatch conformance\n\nexit {int(code)}: {code.meaning}\n\n" + _markdown(rows, args)
+    )
+    return code
+
+
+def _markdown(rows, args) -> str:
+    lines = [
+        f"<!-- {args.examples} examples, seed {args.seed}, profile {args.profile} -->",
+        "| target | conforms | contract failures | policy differences |",
+        "|---|---|---|---|",
+    ]
+    for name, ok, contract, policy, _ in rows:
+        lines.append(
+            f"| `{name.rsplit(':', 1)[-1] if ':' in name else name}` | {'yes' if ok else 'no'} "
+            f"| {_cell(contract)} | {_cell(policy)} |"
+        )
+    return "\n".join(lines)
 
 
 def _cell(identities: list[str]) -> str:

@@ -1,4 +1,10 @@
-"""``tqbatch e2e``: run :mod:`tqbatch.workbench.e2e`'s scenario; print verdict and model report."""
+"""``tqbatch e2e``: run :mod:`tqbatch.workbench.e2e`'s scenario; print verdict and model report.
+
+Exit codes (``tqbatch.exitcodes``): 0 every request checked and matching; 1
+a failure (a scenario that stops early is one, so a run never checks
+nothing); 2 a usage error or a target that does not load; 3 the backend
+failed its check.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import textwrap
 
 import tqbatch.workbench.e2e
 from tqbatch.commands import add_impl_argument
+from tqbatch.exitcodes import ExitCode
 from tqbatch.testing.backend import describe_line
 from tqbatch.workbench.e2e import REQUESTS, ModelSpec, ScenarioResult, run_scenario
 
@@ -42,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     impl = load_impl(args.impl)
     if args.layers < 2:
         print("e2e needs at least 2 layers: TurboQuant ones and the dense last one")
-        return 2
+        return ExitCode.USAGE
     spec = ModelSpec(num_layers=args.layers, seed=args.model_seed)
     print(spec.describe())
     print(f"backend: {describe_line(args.backend)}")
@@ -71,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"FAILED: {failure}")
     if not failures:
         print("OK: every request's rows, attention and extracted caches match its references")
-    return 1 if failures else 0
+    return ExitCode.DEFECT if failures else ExitCode.OK
 
 
 def _print_verdict(result: ScenarioResult):

@@ -15,19 +15,24 @@ is saved there is replayed first, and what is found is saved there.
 ``--replay-only`` replays it and generates nothing (exit 5 when nothing was
 saved: nothing was checked). ``--junit-xml PATH`` writes a JUnit XML report
 (``tqbatch.testing.junit``).
+
+Exit codes (``tqbatch.exitcodes``): 0 no failure (a survey: no contract
+failure); 1 a failure; 2 a usage error or a target that does not load; 3 the
+backend failed its check; 4 the harness extra is missing (``--workers``
+needs pytest-xdist too); 5 nothing was checked: no example ran and nothing
+was replayed, as ``--replay-only`` with nothing saved for the target (a CI
+lane decides whether that is acceptable, e.g. before the first nightly has
+saved anything) or shards that never ran. Under GitHub Actions the summary
+and the failures are also appended to ``$GITHUB_STEP_SUMMARY``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from tqbatch.commands import add_impl_argument
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-# --replay-only with nothing saved for the target: no example ran, so there is
-# no verdict (5, as pytest's "no tests collected"). A CI lane decides whether
-# that is acceptable, e.g. before the first nightly has saved anything.
-EXIT_NOTHING_CHECKED = 5
+from tqbatch.commands import add_impl_argument, md_cell, step_summary
+from tqbatch.commands import console as make_console
+from tqbatch.exitcodes import ExitCode
 
 
 def register(subparsers) -> None:
@@ -99,7 +104,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -107,11 +111,14 @@ def run(args) -> int:
     from tqbatch.testing.impl import impl_spec, load_impl, missing_capabilities
     from tqbatch.testing.shards import campaign_from_options, run_shards
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     impl = load_impl(args.impl)  # a bad target: ImplSpecError, reported by tqbatch.cli
     if args.workers < 1 or (args.examples is not None and args.examples < 1):
         console.print("[red]--workers and --examples must be positive[/red]")
-        return EXIT_USAGE
+        return ExitCode.USAGE
+    if args.minutes is not None and args.minutes <= 0:  # 0 would be read as no time budget
+        console.print("[red]--minutes must be positive[/red]")
+        return ExitCode.USAGE
     database = None
     try:
         if args.replay_only and not args.database:
@@ -123,13 +130,18 @@ def run(args) -> int:
             check_database(database, args.database)
     except DatabaseSpecError as exc:  # one line, as tqbatch.cli reports a bad --impl
         print(f"tqbatch fuzz: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     if args.examples is None and args.minutes is None and not args.replay_only:
         args.minutes = 2.0
     if args.replay_only and args.workers > 1:
         # Every shard would replay the same saved examples.
         console.print("--replay-only runs in one process: --workers is ignored")
         args.workers = 1
+    if args.workers > 1:
+        # The shards run under pytest-xdist in subprocesses, where a missing
+        # package would only show as shards that never ran: exit 4 here instead.
+        import pytest  # noqa: F401
+        import xdist  # noqa: F401
     target = impl_spec(impl)
     missing = missing_capabilities(impl)
     if missing:
@@ -182,7 +194,7 @@ def run(args) -> int:
     for path in paths:
         if path is not None:
             console.print(f"saved as a scenario: {path}  (reproduce: tqbatch replay {path})")
-    nothing_checked = args.replay_only and not result.replayed and not result.failures
+    nothing_checked = not (result.examples or result.replayed or result.failures)
     if args.junit_xml:
         from tqbatch.testing.junit import write_junit
 
@@ -196,20 +208,25 @@ def run(args) -> int:
         )
         console.print(f"JUnit XML report: {args.junit_xml}")
     if nothing_checked:
-        console.print(
-            f"nothing was checked: {args.database} holds no saved example of {target} "
-            "(with these switches)"
-        )
-        return EXIT_NOTHING_CHECKED
-    if args.survey:
+        if args.replay_only:
+            console.print(
+                f"nothing was checked: {args.database} holds no saved example of {target} "
+                "(with these switches)"
+            )
+        else:
+            console.print("nothing was checked: no example ran")
+        code = ExitCode.NOTHING_CHECKED
+    elif args.survey:
         from tqbatch.testing.campaign import conforms
 
-        return EXIT_OK if conforms(result) else EXIT_FAILED
-    return EXIT_FAILED if result.failures else EXIT_OK
+        code = ExitCode.OK if conforms(result) else ExitCode.DEFECT
+    else:
+        code = ExitCode.DEFECT if result.failures else ExitCode.OK
+    step_summary(_markdown(result, target, args.backend, paths, args.database, code))
+    return code
 
 
 def _print_summary(result, target, backend, missing, database=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from tqbatch.testing.backend import describe_line
@@ -242,16 +259,15 @@ def _print_summary(result, target, backend, missing, database=None) -> None:
         found = sum(1 for f in result.failures if f.get("replayed"))
         table.add_row("  found while replaying", str(found))
     table.add_row("skipped (unsupported)", ", ".join(missing) or "-")
-    Console().print(table)
+    make_console().print(table)
 
 
 def _print_survey(result, paths) -> None:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     if not result.failures:
-        Console().print(f"no failures in {result.examples} examples")
+        make_console().print(f"no failures in {result.examples} examples")
         return
 
     table = Table(title="distinct failures (check@op: what failed, and where)")
@@ -265,6 +281,45 @@ def _print_survey(result, paths) -> None:
             escape((failure.get("what") or failure["message"]).splitlines()[0][:160]),
             escape(str(path or "-")),
         )
-    Console().print(table)
+    make_console().print(table)
     if result.exhausted:
-        Console().print("every example ended in a failure already listed: the search stopped")
+        make_console().print("every example ended in a failure already listed: the search stopped")
+
+
+def _markdown(result, target, backend, paths, database, code) -> str:
+    """The run as markdown, for GitHub Actions' job summary."""
+    from tqbatch.testing.backend import describe_line
+
+    lines = [
+        "### tqbatch fuzz",
+        "",
+        f"exit {int(code)}: {code.meaning}",
+        "",
+        "| quantity | value |",
+        "|---|---|",
+        f"| target | `{md_cell(target)}` |",
+        f"| backend | {md_cell(describe_line(backend))} |",
+        f"| examples | {result.examples} |",
+    ]
+    if database:
+        lines.append(f"| replayed from {md_cell(database)} | {result.replayed} |")
+    lines += [
+        f"| shrink runs | {result.shrink_runs} |",
+        f"| ops | {sum(result.op_counts.values())} |",
+        f"| seconds | {result.seconds:.0f} |",
+        f"| failures | {len(result.failures)} |",
+    ]
+    if result.failures:
+        lines += [
+            "",
+            "| identity | level | ops | what failed | scenario |",
+            "|---|---|---|---|---|",
+        ]
+        for failure, path in zip(result.failures, paths):
+            what = (failure.get("what") or failure["message"]).splitlines()[0][:160]
+            lines.append(
+                f"| `{md_cell(failure.get('identity') or '(harness)')}` | {failure['level']} "
+                f"| {len(failure['ops'])} | {md_cell(what)} "
+                f"| {f'`{md_cell(path)}`' if path else '-'} |"
+            )
+    return "\n".join(lines)

@@ -4,15 +4,25 @@ Prints one row per family and scenario and one column per target: PASS, FAIL
 with the failed check or the logit gap, ERROR with the exception, N/A with
 why. The exit code is the drop-in verdict: 1 if the target fails or raises in
 a cell where mlx-lm's ``BatchKVCache`` passes, else 0.
+
+Exit codes (``tqbatch.exitcodes``): 0 no such cell; 1 at least one; 2 a
+usage error or a target that does not load; 3 the backend failed its check;
+4 the harness extra (rich) is missing; 5 nothing was checked: every cell of
+the target is N/A or NONDET (no verdict). Under GitHub Actions the matrix is
+also appended to ``$GITHUB_STEP_SUMMARY`` as a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from tqbatch.commands import add_impl_argument
+from tqbatch.commands import add_impl_argument, step_summary
+from tqbatch.commands import console as make_console
+from tqbatch.exitcodes import ExitCode
 
-EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
+# Statuses that give no verdict on the target: a run where every cell of the
+# target has one of these checked nothing.
+NO_VERDICT = ("N/A", "NONDET")
 
 
 def register(subparsers) -> None:
@@ -84,14 +94,13 @@ def markdown(cells, targets) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
     from tqbatch.testing import matrix
     from tqbatch.testing.backend import describe_line
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     targets = _targets(args)  # a bad target: ImplSpecError, reported by tqbatch.cli
     total = len(args.families) * len(args.scenarios) * len(targets)
     with Progress(
@@ -120,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             for scenario in args.scenarios:
                 cells_here = [by_key[family, scenario, t.name] for t in targets]
                 table.add_row(family, scenario, *(c.brief(40) for c in cells_here))
-        Console().print(table)
+        make_console().print(table)
         checks = sum(c.checks for c in cells)
         admitted = sum(c.admitted for c in cells)
         print(f"oracle checks: {checks}; rounding choices admitted: {admitted}")
@@ -134,4 +143,15 @@ def run(args: argparse.Namespace) -> int:
             f"[red]{cell.target} {cell.status}[/red] in {cell.family} / {cell.scenario}, "
             f"where {matrix.BASELINE} passes: {cell.detail}"
         )
-    return EXIT_REGRESSION if failed else EXIT_OK
+    if failed:
+        code = ExitCode.DEFECT
+    elif all(c.status in NO_VERDICT for c in cells if c.target == targets[0].name):
+        console.print(f"nothing was checked: every cell of {targets[0].name} is N/A or NONDET")
+        code = ExitCode.NOTHING_CHECKED
+    else:
+        code = ExitCode.OK
+    step_summary(
+        f"### tqbatch models\n\nexit {int(code)}: {code.meaning}; "
+        f"{describe_line(args.backend)}\n\n{markdown(cells, targets)}"
+    )
+    return code

@@ -3,6 +3,12 @@
 Recording is never done by a test run: only this command (and the nox
 ``golden -- --regen`` session, which calls it with ``--all``) writes ``.npz``
 recordings. It refuses to record a target that diverges from the oracles.
+
+Exit codes (``tqbatch.exitcodes``): 0 every scenario recorded or up to
+date; 1 the target was refused (it diverges from the oracles: a defect); 2
+a missing path, a malformed scenario or a target that does not load; 3 the
+backend failed its check; 5 no scenario file under the paths (nothing to
+record).
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import sys
 
 from tqbatch.commands import add_impl_argument
+from tqbatch.exitcodes import ExitCode
 from tqbatch.testing.impl import ImplSpecError, load_impl
 from tqbatch.testing.scenario import (
     RecordError,
@@ -41,13 +48,16 @@ def register(subparsers) -> None:
 
 
 def record_paths(paths, *, everything: bool = False, impl: str | None = None) -> int:
-    """Record the scenarios under ``paths``; the exit code (0 ok, 1 refused, 2 bad input)."""
+    """Record the scenarios under ``paths``; the exit code (see the module docstring)."""
     try:
         cls = load_impl(impl)
         scenarios = [Scenario.load(p) for p in discover(paths)]
     except (ImplSpecError, ScenarioError) as err:
         print(f"tqbatch record: {err}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
+    if not scenarios:
+        print("tqbatch record: no scenario files found", file=sys.stderr)
+        return ExitCode.NOTHING_CHECKED
     refused = 0
     for scenario in scenarios:
         if not everything and not needs_recording(scenario):
@@ -60,7 +70,7 @@ def record_paths(paths, *, everything: bool = False, impl: str | None = None) ->
             refused += 1
             continue
         print(f"recorded {npz}")
-    return 1 if refused else 0
+    return ExitCode.DEFECT if refused else ExitCode.OK
 
 
 def run(args) -> int:

@@ -1,4 +1,14 @@
-"""``tqbatch replay PATH...``: replay golden scenarios; non-zero exit on divergence."""
+"""``tqbatch replay PATH...``: replay golden scenarios; non-zero exit on divergence.
+
+Exit codes (``tqbatch.exitcodes``): 0 every scenario that ran replayed
+green (scenarios skipped because the target lacks an operation they need are
+counted and listed, as ``fuzz`` skips rules a target cannot run); 1 at least
+one diverged; 2 bad arguments, a missing path, a malformed scenario or a
+target that does not load; 3 the backend failed its check; 5 nothing was
+checked: no scenario under the paths (an empty directory), or every one was
+skipped. Under GitHub Actions the counts and the diverged scenarios are also
+appended to ``$GITHUB_STEP_SUMMARY``.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from tqbatch.commands import add_impl_argument
+from tqbatch.commands import add_impl_argument, md_cell, step_summary
+from tqbatch.exitcodes import ExitCode
 from tqbatch.testing.backend import describe_line
 from tqbatch.testing.impl import ImplSpecError, load_impl
 from tqbatch.testing.scenario import ScenarioError, discover, replay
-
-# Exit codes: 0 every scenario replayed green; 1 at least one diverged;
-# 2 bad arguments or a malformed scenario; 3 nothing failed but some were
-# skipped (the target lacks an operation they need).
-EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_SKIPPED = 0, 1, 2, 3
 
 
 def register(subparsers) -> None:
@@ -25,8 +31,9 @@ def register(subparsers) -> None:
         description=(
             "Replay scenario files (or every scenario under a directory) against the "
             "target, checking the live oracles after every op and comparing every "
-            "observation with the scenario's recording. Exit 0 if all replay green, 1 if "
-            "any diverges, 2 on bad input, 3 if some were skipped (unsupported ops)."
+            "observation with the scenario's recording. Exit 0 if all that ran replay green, "
+            "1 if any diverges, 2 on bad input, 5 if none ran (none found, or all skipped "
+            "for unsupported ops)."
         ),
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="scenario .json or directory")
@@ -50,27 +57,39 @@ def run(args) -> int:
         paths = discover(args.paths)
     except (ImplSpecError, ScenarioError) as err:
         print(f"tqbatch replay: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     if not paths:
-        print("tqbatch replay: no scenario files found", file=sys.stderr)
-        return EXIT_USAGE
+        print("tqbatch replay: no scenario files found: nothing was checked", file=sys.stderr)
+        step_summary("### tqbatch replay\n\nno scenario files found: nothing was checked")
+        return ExitCode.NOTHING_CHECKED
     print(f"backend: {describe_line(args.backend)}")
-    failed = skipped = 0
+    skipped = 0
+    diverged = []
     for path in paths:
         try:
             result = replay(path, impl, use_recording=not args.oracles_only)
         except ScenarioError as err:
             print(f"ERROR {path}: {err}", file=sys.stderr)
-            return EXIT_USAGE
+            return ExitCode.USAGE
         print(result.summary(), flush=True)
-        failed += not result.ok and result.skipped is None
+        if not result.ok and result.skipped is None:
+            diverged.append(result.summary())
         skipped += result.skipped is not None
         if args.save_observed:
             out = Path(args.save_observed)
             out.mkdir(parents=True, exist_ok=True)
             np.savez(out / f"{result.scenario.name}.observed.npz", **result.observed)
-    total = len(paths)
-    print(f"{total - failed - skipped} passed, {failed} diverged, {skipped} skipped")
+    total, failed = len(paths), len(diverged)
+    counts = f"{total - failed - skipped} passed, {failed} diverged, {skipped} skipped"
+    print(counts)
     if failed:
-        return EXIT_DIVERGED
-    return EXIT_SKIPPED if skipped else EXIT_OK
+        code = ExitCode.DEFECT
+    elif skipped == total:
+        print("every scenario was skipped: nothing was checked", file=sys.stderr)
+        code = ExitCode.NOTHING_CHECKED
+    else:
+        code = ExitCode.OK
+    summary = [f"### tqbatch replay\n\nexit {int(code)}: {code.meaning}; {counts}"]
+    summary += [f"- {md_cell(line.splitlines()[0])}" for line in diverged]
+    step_summary("\n".join(summary))
+    return code
