@@ -219,10 +219,14 @@ class _Counter:
     """Splits test runs into generated examples and shrink runs (Hypothesis observability).
 
     Op counts of an example are added only when Hypothesis says it generated
-    it (not while shrinking). Without observability every run counts as an
-    example. Runs of Hypothesis's reuse phase (saved examples replayed from
-    the database) count as ``replayed``; ``on_failed_replay`` is called after
-    each that failed.
+    it (not while shrinking). An example Hypothesis gave up on (no enabled
+    rule could be drawn; in a survey, it ended at a known failure) is not
+    counted as one, as Hypothesis does not count it toward ``max_examples``,
+    so that a budget of N examples reports N; its ops ran and are counted.
+    Without observability every run counts as an example. Runs of
+    Hypothesis's reuse phase (saved examples replayed from the database)
+    count as ``replayed``; ``on_failed_replay`` is called after each that
+    failed.
     """
 
     def __init__(self, result: CampaignResult, on_example):
@@ -246,9 +250,10 @@ class _Counter:
                 self.on_failed_replay()
             self._count(generated=False, replayed=True)
             return
-        self._count(generated="generate" in how or "explicit" in how)
+        valid = getattr(case, "status", None) != "gave_up"
+        self._count(generated="generate" in how or "explicit" in how, example=valid)
 
-    def _count(self, generated: bool, replayed: bool = False):
+    def _count(self, generated: bool, replayed: bool = False, example: bool = True):
         if self.pending is None:
             return
         ops, pairs, admitted = self.pending
@@ -256,7 +261,7 @@ class _Counter:
         if replayed:
             self.result.replayed += 1
         elif generated:
-            self.result.examples += 1
+            self.result.examples += example
             self.result.rounding_admitted += admitted
             for name, n in ops.items():
                 self.result.op_counts[name] = self.result.op_counts.get(name, 0) + n

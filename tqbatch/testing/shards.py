@@ -61,19 +61,24 @@ def run_shards(options: dict, progress_update: Callable[[int], None]) -> Campaig
     """Run ``options["workers"]`` shards of the campaign; their results added up.
 
     ``options["examples"]``, where given, is split between the shards
-    (rounded up). ``progress_update`` gets the examples done so far, about
-    once a second.
+    exactly (the first shards run one more where it does not divide), so that
+    the campaign runs the examples asked for. ``progress_update`` gets the
+    examples done so far, about once a second.
     """
     shard_examples = None
     if options["examples"] is not None:
-        shard_examples = -(-options["examples"] // options["workers"])
+        base, extra = divmod(options["examples"], options["workers"])
+        shard_examples = [base + (i < extra) for i in range(options["workers"])]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = dict(
             options=options, shard_examples=shard_examples, workers=options["workers"], dir=tmp
         )
         env = dict(os.environ, **{_ENV: json.dumps(cfg)})
         cmd = [
+            # no:benchmark: pytest-benchmark would create .benchmarks/ in the
+            # current directory, which must be left as it was.
             sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+            "-p", "no:benchmark",
             "-n", str(options["workers"]), "--rootdir", tmp, "-o", "addopts=",
             "-k", "test_fuzz_shard", "-W", "ignore",
         ]  # fmt: skip
@@ -125,7 +130,8 @@ def test_fuzz_shard(shard):
         ]
         out.write_text(json.dumps(data))
 
-    options = dict(cfg["options"], examples=cfg["shard_examples"])
+    examples = cfg["shard_examples"]
+    options = dict(cfg["options"], examples=None if examples is None else examples[shard])
     impl = load_impl(options["impl"])
     save(campaign_from_options(impl, options, options["seed"] * 1000 + shard, save))
 
