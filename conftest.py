@@ -31,6 +31,11 @@ def _precision_on_command_line() -> str | None:
 
 backend.select_precision(_precision_on_command_line())
 
+# The suite runs tqbatch commands, in-process and in subprocesses; under GitHub
+# Actions each would append a summary of a test's run to the job's summary
+# (tqbatch.commands.step_summary). Tests that check it set their own file.
+os.environ.pop("GITHUB_STEP_SUMMARY", None)
+
 register_profiles()
 # Hypothesis's pytest plugin applies --hypothesis-profile after this, so the
 # command-line option still wins over this default.
