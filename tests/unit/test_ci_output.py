@@ -142,7 +142,7 @@ def test_replay_summary_counts(tmp_path, summary):
     first, second = summary.read_text().strip().split("\n\n### ")
     assert first.endswith("exit 0: clean; 1 passed, 0 diverged, 0 skipped")
     assert "exit 1: the target has a defect; 0 passed, 1 diverged, 0 skipped" in second
-    assert f"- FAIL {SIZE} [{MUTANT}]" in second
+    assert f"- `{SIZE}`: op 0 " in second and "[size_type] size() returned array" in second
 
 
 def test_conformance_summary_is_its_markdown_table(summary):

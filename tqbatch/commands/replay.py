@@ -72,8 +72,8 @@ def run(args) -> int:
             print(f"ERROR {path}: {err}", file=sys.stderr)
             return ExitCode.USAGE
         print(result.summary(), flush=True)
-        if not result.ok and result.skipped is None:
-            diverged.append(result.summary())
+        if not result.ok and result.skipped is None:  # diverged: at its first divergence
+            diverged.append(f"`{result.scenario.name}`: {md_cell(result.divergences[0])}")
         skipped += result.skipped is not None
         if args.save_observed:
             out = Path(args.save_observed)
@@ -90,6 +90,6 @@ def run(args) -> int:
     else:
         code = ExitCode.OK
     summary = [f"### tqbatch replay\n\nexit {int(code)}: {code.meaning}; {counts}"]
-    summary += [f"- {md_cell(line.splitlines()[0])}" for line in diverged]
+    summary += [f"- {line}" for line in diverged]
     step_summary("\n".join(summary))
     return code
