@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
-from hypothesis.database import InMemoryExampleDatabase
+from hypothesis.database import (
+    DirectoryBasedExampleDatabase,
+    InMemoryExampleDatabase,
+    MultiplexedDatabase,
+    ReadOnlyDatabase,
+)
 
 import tqbatch
 from tqbatch.testing.campaign import CampaignResult, campaign_key, run_campaign
@@ -18,6 +24,15 @@ from tqbatch.testing.mutants import SizeAsArray
 # Fails its first check, so a campaign finds and shrinks it in well under a second.
 MUTANT = SizeAsArray
 CLEAN = tqbatch.BatchTurboQuantKVCache
+
+
+class TwoBugs(tqbatch.BatchTurboQuantKVCache):
+    """size() is wrong two ways, by codec seed: an array at seed 0, one too many otherwise."""
+
+    def size(self):
+        if self.seed == 0:
+            return mx.array(self.offset)
+        return super().size() + 1
 
 
 class RecordingDatabase(InMemoryExampleDatabase):
@@ -77,6 +92,33 @@ def test_a_find_is_replayed_before_anything_is_generated():
     assert clean.failures == [] and clean.replayed == 0 and clean.examples == 1
     assert _primary(db.read) == {campaign_key(CLEAN)}
     assert list(db.fetch(mutant_key)), "another target's campaign deleted the find"
+
+
+def test_every_saved_failure_is_replayed_not_only_the_first():
+    # A database holding two finds of one target, as the union of two
+    # machines' directories would: here a survey's, copied to the plain key.
+    db = InMemoryExampleDatabase()
+    survey = run_campaign(TwoBugs, examples=10, profile="ci", survey=True, database=db)
+    assert sorted(f["identity"] for f in survey.failures) == ["size", "size_type"]
+    db.data[campaign_key(TwoBugs)] = set(db.data[campaign_key(TwoBugs, survey=True)])
+
+    # A plain campaign replays both (Hypothesis alone would stop at the first
+    # that still fails, and this run would not save the other again).
+    plain = run_campaign(TwoBugs, examples=5, profile="ci", seed=5, database=db)
+    assert sorted(f["identity"] for f in plain.failures) == ["size", "size_type"]
+    assert all(f["replayed"] for f in plain.failures) and plain.examples == 0
+
+
+def test_a_read_only_find_that_still_fails_is_saved_again_locally(tmp_path):
+    # As a nightly reads the last night's artifact (read-only) beside the
+    # directory it uploads: the finds still failing are carried forward.
+    artifact = DirectoryBasedExampleDatabase(tmp_path / "artifact")
+    run_campaign(MUTANT, examples=5, profile="ci", database=artifact)
+    local = DirectoryBasedExampleDatabase(tmp_path / "local")
+    db = MultiplexedDatabase(local, ReadOnlyDatabase(artifact))
+    result = run_campaign(MUTANT, profile="ci", seed=1, database=db, replay_only=True)
+    assert [(f["identity"], f["replayed"]) for f in result.failures] == [("size_type", True)]
+    assert list(local.fetch(campaign_key(MUTANT)))
 
 
 def test_replaying_an_empty_database_checks_nothing():

@@ -28,8 +28,9 @@ Campaigns share what they find through a Hypothesis example database
 (``database``: an ``ExampleDatabase`` or a spec for
 ``tqbatch.testing.databases.open_database``). Hypothesis saves every failure
 it finds there; a campaign's first round replays every saved example
-(Hypothesis's reuse phase) before generating anything, and ``replay_only``
-does nothing else. ``replayed`` counts those runs, and each failure's
+(Hypothesis's reuse phase) and generates nothing, reporting every saved
+failure that still fails, and later rounds generate; ``replay_only`` runs
+the first round only. ``replayed`` counts those runs, and each failure's
 ``replayed`` says whether it was found while replaying. The examples of a
 campaign are saved under ``campaign_key``: the target and the switches that
 decide whether a saved example still fails.
@@ -169,7 +170,8 @@ class CampaignResult:
 
     @property
     def failure(self) -> dict | None:
-        """The first failure (a plain campaign has at most one)."""
+        """The first failure (a plain campaign has at most one, or one per saved failure it
+        replayed)."""
         return self.failures[0] if self.failures else None
 
     def absorb(self, other: CampaignResult):
@@ -307,8 +309,9 @@ def run_campaign(
     bound, in seconds).
 
     ``database`` (an example database or a spec for ``open_database``):
-    failures are saved there, and the first round replays what is saved
-    under this campaign's key before it generates. ``replay_only`` replays
+    failures are saved there, and a first round replays every example saved
+    under this campaign's key, and only those: every saved failure that
+    still fails is reported, and a plain campaign stops there. ``replay_only`` replays
     every saved example, shrinks what still fails and generates nothing (no
     budget needed); ``replayed == 0`` then means nothing was checked.
     """
@@ -369,35 +372,40 @@ def run_campaign(
         counter.observed = True
     start = time.monotonic()
     deadline = start + minutes * 60 if minutes else None
+    # With a database, the first round replays what is saved there and
+    # generates nothing; generating rounds follow (none for replay_only).
+    replaying = database is not None
+    generating = 0  # generating rounds run: each has its own seed
     try:
         while True:
-            if replay_only and result.rounds:
-                break  # what is saved was replayed in the first round
-            if examples is not None and result.examples >= examples:
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                break
+            if not replaying:
+                if replay_only:
+                    break
+                if examples is not None and result.examples >= examples:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
             left = ROUND_EXAMPLES if examples is None else examples - result.examples
-            phases = [Phase.generate, Phase.shrink]
-            if replay_only:
-                phases = [Phase.reuse, Phase.shrink]
-            elif database is not None and result.rounds == 0:
-                phases = [Phase.reuse, *phases]  # saved failures first, then new examples
             round_settings = settings(
                 base,
-                max_examples=min(ROUND_EXAMPLES, left),
+                max_examples=ROUND_EXAMPLES if replaying else min(ROUND_EXAMPLES, left),
                 # derandomize=True (the ci profile) would also make Hypothesis
                 # ignore the database.
                 derandomize=False,
                 database=database,
-                phases=phases,
-                # Replaying, every saved failure that still fails is reported.
-                report_multiple_bugs=survey or replay_only,
+                phases=[Phase.reuse if replaying else Phase.generate, Phase.shrink],
+                # Replaying, every saved failure is replayed and reported: stopping
+                # at the first that still fails would leave the others unreplayed,
+                # so not saved again by this run, and a database rebuilt from what
+                # runs save (a nightly's artifact) would lose them.
+                report_multiple_bugs=survey or replaying,
                 # A survey ends examples at known failures (a rejection).
                 suppress_health_check=list(HealthCheck),
             )
-            hypothesis_seed(seed * 1_000_003 + result.rounds)(Counting)
+            hypothesis_seed(seed * 1_000_003 + generating)(Counting)
             result.rounds += 1
+            generating += not replaying
+            was_replaying, replaying = replaying, False
             Counting.failures.clear()
             Counting.last_failure = None
             try:
@@ -407,7 +415,9 @@ def run_campaign(
                 result.exhausted = True  # every example hit a known, diverging failure
                 break
             except unittest.SkipTest:
-                break  # replay_only, and nothing saved under this key: nothing ran
+                if not was_replaying:
+                    raise
+                # Nothing saved under this campaign's key: the replay ran nothing.
             except Exception as exc:  # noqa: BLE001 - whatever the run raised is reported
                 found = _found(Counting, exc, sorted(known))
                 for failure in found:
