@@ -14,7 +14,8 @@ import pytest
 
 import tqbatch
 from tqbatch.testing.checks import CHECKS, CheckFailure, KnownFailure, failure
-from tqbatch.testing.mutants import CATCHES, FilterWithoutCompaction
+from tqbatch.testing.doubles import PendingPaddingAsBatchKVCache
+from tqbatch.testing.mutants import CATCHES, FilterWithoutCompaction, RoundtripAliasesDonor
 from tqbatch.testing.ops import World
 
 Base = tqbatch.BatchTurboQuantKVCache
@@ -23,6 +24,12 @@ PREFILL = [
     {"op": "update", "tokens": 2, "kv_seed": 2},
 ]
 DECODE = {"op": "attend", "queries": 1, "q_heads": 4, "q_seed": 3}
+# A right-padded block whose padding is still pending (no finalize yet).
+PENDING = [
+    {"op": "merge", "lengths": [3, 5], "kv_seed": 1},
+    {"op": "prepare", "right_padding": [1, 0]},
+    {"op": "update", "tokens": 2, "kv_seed": 2},
+]
 
 
 class MaskRaises(Base):
@@ -64,6 +71,29 @@ class AttentionScaled(Base):
         return super().prefill_attention(*args, **kwargs) * 1.02
 
 
+class DequantizeExtraRow(Base):
+    """dequantize() reads a buffer one row larger than the batch (rows 0..B-1 are right)."""
+
+    def dequantize(self, *args, **kwargs):
+        keys, values = super().dequantize(*args, **kwargs)
+        return (mx.concatenate([x, x[-1:]]) for x in (keys, values))
+
+
+class RoundtripDropsGeometryAndAliases(RoundtripAliasesDonor):
+    """Two defects of one op: a state round trip loses the left padding (so offsets move)
+    and shares the donor's buffers (so the donor's next writes land in the copy)."""
+
+    @property
+    def state(self):
+        keys, values, _, _ = RoundtripAliasesDonor.state.fget(self)
+        rows = self.batch_size
+        return keys, values, [self._end] * rows, [0] * rows
+
+    @state.setter
+    def state(self, value):
+        RoundtripAliasesDonor.state.fset(self, value)
+
+
 class FilterEmptyIsTypeError(Base):
     def filter(self, batch_indices):
         if len(list(batch_indices)) == 0:
@@ -99,6 +129,19 @@ SHOWN = {
         None,
     ),
     "harness": (Base, PREFILL, _corrupt_model, None),
+    "dequantize": (DequantizeExtraRow, PREFILL, None, None),
+    "extract_pending": (
+        PendingPaddingAsBatchKVCache,
+        [*PENDING, {"op": "extract", "index": 0}],
+        None,
+        None,
+    ),
+    "roundtrip_pending": (
+        PendingPaddingAsBatchKVCache,
+        [*PENDING, {"op": "roundtrip"}],
+        None,
+        None,
+    ),
     "rejects_by_policy": (
         FilterWithoutCompaction,  # its filter skips validation: [0, 0] forks row 0
         [*PREFILL, _bad("filter-repeated", {"op": "filter", "indices": [0, 0]}, "ValueError")],
@@ -106,6 +149,11 @@ SHOWN = {
         None,
     ),
 }
+
+
+# Checks whose broken cache fails nothing else (a wider mask, for one, also
+# fails the default mask).
+ALONE = {"dequantize", "extract_pending", "roundtrip_pending"}
 
 
 def _run(cls, ops, prepare=None, **kwargs):
@@ -137,6 +185,9 @@ def test_check_fails_under_its_own_name(check, monkeypatch):
     with pytest.raises(CheckFailure) as info:
         _run(cls, ops, prepare)
     assert info.value.check.name == check, str(info.value)
+    if check in ALONE:
+        # Every other check of the op ran and passed.
+        assert info.value.also == [], [f.identity for f in info.value.also]
     # The correct cache passes the same ops (the broken part is what failed).
     if patch is None and prepare is None:
         _run(Base, ops)
@@ -169,3 +220,43 @@ def test_tolerated_failures_run_on_or_stop_where_diverged():
     world.apply(PREFILL[0])
     with pytest.raises(KnownFailure):
         world.apply(_bad("filter-in-range", {"op": "filter", "indices": [0]}, "IndexError"))
+
+
+def test_every_check_after_an_op_reports():
+    ops = [{"op": "merge", "lengths": [3, 5], "kv_seed": 1}, {"op": "roundtrip"}]
+    with pytest.raises(CheckFailure) as info:
+        _run(RoundtripDropsGeometryAndAliases, ops)
+    identities = [info.value.identity] + [f.identity for f in info.value.also]
+    assert identities[0] == "offset@roundtrip"
+    assert "content@roundtrip" in identities, identities  # the aliasing, not hidden by offset
+    assert len(set(identities)) == len(identities)
+    assert "content@roundtrip" in "".join(info.value.__notes__)
+    # The offset tolerated (a survey's second round): the run stops at the next one,
+    # though the offset has diverged.
+    with pytest.raises(CheckFailure) as info:
+        _run(RoundtripDropsGeometryAndAliases, ops, tolerate=lambda f: f.check.name == "offset")
+    assert info.value.identity == "left_padding@roundtrip"
+    # Every one tolerated: the offset has diverged, so the run ends there.
+    with pytest.raises(KnownFailure):
+        _run(RoundtripDropsGeometryAndAliases, ops, tolerate=lambda f: True)
+
+
+def test_a_check_that_cannot_be_evaluated_is_skipped():
+    class DequantizeDropsHeads(Base):
+        def dequantize(self, *args, **kwargs):
+            return (x[:, :1] for x in super().dequantize(*args, **kwargs))
+
+    with pytest.raises(CheckFailure) as info:
+        _run(DequantizeDropsHeads, PREFILL)
+    # Rows cannot be read out of the wrong shape: no content failure, no crash.
+    assert info.value.identity == "dequantize@merge" and info.value.also == []
+
+
+def test_pending_padding_as_batchkvcache_is_policy_not_contract():
+    for ops in ([*PENDING, {"op": "extract", "index": 0}], [*PENDING, {"op": "roundtrip"}]):
+        world = _run(
+            PendingPaddingAsBatchKVCache,
+            [*ops, {"op": "finalize"}, DECODE],
+            tolerate=lambda f: f.level == "policy",
+        )
+        assert [f.level for f in world.tolerated] == ["policy"]

@@ -9,7 +9,10 @@ example budget or a time budget is spent.
   check@op, see ``tqbatch.testing.checks``) is shrunk and kept with its own
   op sequence; in later rounds, failures already kept are tolerated (the
   example runs past them, or ends where the target has diverged), so the
-  search moves on to what else is wrong.
+  search moves on to what else is wrong. The other checks that failed
+  after the same op as a failure found (``also``) are kept too, each with
+  its own op sequence: the found one's, with what comes before it
+  tolerated, cut down op by op (``tqbatch.testing.minimize``).
 
 Counts are honest: ``examples`` are the examples Hypothesis generated;
 ``shrink_runs`` the test runs it spent shrinking and replaying failures
@@ -420,12 +423,18 @@ def run_campaign(
                 # Nothing saved under this campaign's key: the replay ran nothing.
             except Exception as exc:  # noqa: BLE001 - whatever the run raised is reported
                 found = _found(Counting, exc, sorted(known))
+                # As Hypothesis shrank them: where the checks of "also" failed too.
+                shrunk = [list(failure["ops"]) for failure in found]
                 for failure in found:
                     _minimize(impl, failure, contract_checks)
                 for failure in found:
                     failure["replayed"] = _key(failure) in replayed_failures
                     known[_key(failure)] = failure
                     result.failures.append(failure)
+                for failure, ops in zip(found, shrunk) if survey else ():
+                    for other in _also_found(impl, failure, ops, known, contract_checks):
+                        known[_key(other)] = other
+                        result.failures.append(other)
                 Counting.avoid_cases = frozenset(_diverging_cases(known))
                 crashed = any(not f["identity"] for f in found)
                 if not survey or crashed or not found:
@@ -502,6 +511,50 @@ def _minimize(impl, failure: dict, contract_checks: bool) -> None:
     )
     if check_failure is not None:
         failure.update(ops=ops, message=str(check_failure), what=check_failure.what)
+
+
+def _also_found(impl, failure: dict, ops: list, known: dict, contract_checks: bool) -> list[dict]:
+    """The failures of ``failure["also"]`` not yet ``known``, each as its own record.
+
+    Each is what a survey reports for it: ``ops`` (the found failure's, as
+    Hypothesis shrank them), replayed with the failures before it at that op
+    tolerated (so that it is the one raised), cut down op by op
+    (``tqbatch.testing.minimize``). One that does not replay so is left to
+    the search.
+    """
+    tolerated = set(failure["tolerated"]) | {failure["identity"]}
+    out = []
+    for identity in failure.get("also") or ():
+        if identity in known:
+            tolerated.add(identity)
+            continue
+        seen = frozenset(tolerated)
+        cut, check_failure = minimize(
+            impl,
+            failure["config"],
+            ops,
+            identity,
+            lambda f, seen=seen: f.identity in seen,
+            contract_checks=contract_checks,
+            replays=MINIMIZE_REPLAYS,
+        )
+        tolerated.add(identity)
+        if check_failure is None:
+            continue
+        out.append(
+            dict(
+                failure,
+                ops=cut,
+                message=str(check_failure),
+                identity=identity,
+                check=check_failure.check.name,
+                level=check_failure.level,
+                what=check_failure.what,
+                also=[f.identity for f in check_failure.also],
+                tolerated=sorted(seen),
+            )
+        )
+    return out
 
 
 def _found(machine, exc: BaseException, tolerated: list[str]) -> list[dict]:

@@ -14,16 +14,25 @@ Levels:
     the physical written end, content and attention against the references.
     A cache that fails one does not conform.
 ``policy``
-    Input validation beyond the contract: with which exception type bad
-    input is rejected, and whether input a cache could give a meaning to
-    (an empty or repeating ``filter``) is rejected at all. A cache with
-    another legal policy is reported as differing, not as non-conforming.
-    Accepting input that has no sound meaning (a row that does not exist,
-    K/V of another shape, rows of another codec) is a contract failure
-    (``rejects``): the cache silently computes garbage. So is a rejected op
-    that *changes* the cache (``unchanged``).
+    Where tqbatch chose one legal behaviour and mlx-lm's ``BatchKVCache``
+    (or another cache) another: with which exception type bad input is
+    rejected, whether input a cache could give a meaning to (an empty or
+    repeating ``filter``) is rejected at all, and what ``extract`` and a
+    ``state`` round trip make of right padding still pending (between
+    ``prepare`` and ``finalize``: BatchKVCache hands it out as tokens and
+    does not save it). A cache with another legal policy is reported as
+    differing, not as non-conforming. Accepting input that has no sound
+    meaning (a row that does not exist, K/V of another shape, rows of
+    another codec) is a contract failure (``rejects``): the cache silently
+    computes garbage. So is a rejected op that *changes* the cache
+    (``unchanged``).
 ``harness``
     The oracles disagree with each other: a bug in tqbatch.testing.
+
+Every check runs after every op, whatever the others found: a failure
+carries the other checks that failed after the same op (``also``), each
+its own identity. A check that cannot be evaluated because another failed
+(content when ``dequantize()`` has the wrong shape) is skipped.
 
 ``diverged`` says whether the target's state can still be compared with the
 oracles after the check failed: a wrong ``size()`` is an observation, a
@@ -96,6 +105,12 @@ CHECKS: dict[str, Check] = {
             "make_mask(N) as models call it masks what BatchKVCache's masks",
         ),
         Check("written_end", CONTRACT, True, "dequantize() spans exactly the written end"),
+        Check(
+            "dequantize",
+            CONTRACT,
+            False,
+            "dequantize() returns float (keys, values) of the batch's rows, heads and head_dim",
+        ),
         Check("content", CONTRACT, True, "each row's K/V equal its per-request reference"),
         Check("extract_length", CONTRACT, False, "extract(i) holds the request's token count"),
         Check("extract_content", CONTRACT, False, "extract(i) holds the request's K/V"),
@@ -115,6 +130,18 @@ CHECKS: dict[str, Check] = {
             "bad input a cache could define a meaning for (tqbatch rejects it) is rejected",
         ),
         Check("error_type", POLICY, False, "bad input is rejected with the documented type"),
+        Check(
+            "extract_pending",
+            POLICY,
+            False,
+            "extract(i) leaves out right padding still pending (BatchKVCache's returns it)",
+        ),
+        Check(
+            "roundtrip_pending",
+            POLICY,
+            False,
+            "a state round trip keeps right padding still pending (BatchKVCache's drops it)",
+        ),
         Check("harness", HARNESS, True, "the numpy model and BatchKVCache agree"),
     )
 }
@@ -135,6 +162,8 @@ class CheckFailure(AssertionError):
     def __init__(self, message: str, what: str = ""):
         super().__init__(message)
         self.what = what or message
+        # The other failures after the same op, in check order (set where it is raised).
+        self.also: list[CheckFailure] = []
 
     @property
     def identity(self) -> str:

@@ -1,12 +1,18 @@
-"""Caches that round otherwise than tqbatch's, for the harness's own tests.
+"""Caches that differ from tqbatch's where they may, for the harness's own tests.
 
 A correct quantizer may store another code where a rotated coordinate sits
 within float rounding of a codebook midpoint, or another float16 norm next to
 a rounding boundary (``tqbatch.testing.rounding``): another summation order,
 kernel or GPU does. These caches compute their codes from inputs nudged by a
 fixed relative amount, so the harness's oracles can be shown to pass such a
-cache (nudged within rounding) and to fail one nudged past it. Importable by
-path like the mutants, e.g. ``tqbatch.testing.doubles:RoundsOtherwise``.
+cache (nudged within rounding) and to fail one nudged past it.
+
+``PendingPaddingAsBatchKVCache`` treats right padding still pending (between
+``prepare`` and ``finalize``) as mlx-lm's ``BatchKVCache`` does, where
+tqbatch's policy differs: the harness must pass it on the contract and list
+the differences as policy.
+
+Importable by path like the mutants, e.g. ``tqbatch.testing.doubles:RoundsOtherwise``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import numpy as np
 
 from tqbatch.cache import BatchTurboQuantKVCache
 
-__all__ = ["RoundsFarOtherwise", "RoundsOtherwise"]
+__all__ = ["PendingPaddingAsBatchKVCache", "RoundsFarOtherwise", "RoundsOtherwise"]
 
 
 class RoundsOtherwise(BatchTurboQuantKVCache):
@@ -43,3 +49,25 @@ class RoundsFarOtherwise(RoundsOtherwise):
     """Inputs nudged by 1e-3: codes move where no rounding could move them (a bug)."""
 
     nudge = 1e-3
+
+
+class PendingPaddingAsBatchKVCache(BatchTurboQuantKVCache):
+    """Correct, but pending right padding is BatchKVCache's: ``extract`` returns it as tokens
+    and ``state``/``meta_state`` do not carry it (a restore has none pending)."""
+
+    def extract(self, idx):
+        # BatchKVCache.extract slices the row from its left padding to the written end.
+        pending, self._right_padding = self._right_padding, None
+        try:
+            return super().extract(idx)
+        finally:
+            self._right_padding = pending
+
+    @property
+    def meta_state(self):
+        # The last field is tqbatch's pending right padding: left empty.
+        return (*BatchTurboQuantKVCache.meta_state.fget(self)[:-1], "")
+
+    @meta_state.setter
+    def meta_state(self, value):
+        BatchTurboQuantKVCache.meta_state.fset(self, value)

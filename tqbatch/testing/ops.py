@@ -6,8 +6,10 @@ and what a single-request ``TurboQuantKVCache`` holds per request (``refs``).
 ``World.apply(op)`` performs one op on all of them, generating K/V and queries
 deterministically from the op's seeds; ``World.check()`` verifies every
 invariant. Both raise ``AssertionError`` naming the op and the quantity that
-diverged. The state machine (``tqbatch.testing.stateful``) and golden-scenario
-replay (``tqbatch.testing.scenario``) are both built on these two calls::
+diverged, after running every check of the op: the raised failure carries
+the others (``CheckFailure.also``). The state machine
+(``tqbatch.testing.stateful``) and golden-scenario replay
+(``tqbatch.testing.scenario``) are both built on these two calls::
 
     world = World(impl, bits=4.0, seed=0)
     for op in ops:
@@ -23,6 +25,7 @@ that never saw those tokens.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import inspect
 import itertools
 import json
@@ -135,6 +138,9 @@ class World:
         self.ops: list[dict] = []
         self.last: Any = None
         self._op: dict | None = None
+        # While an op's checks run: the failures found so far, settled (raised
+        # or tolerated) once every check of the op has run. None: report at once.
+        self._found: list[CheckFailure] | None = None
 
     # ================================================================ public
 
@@ -156,7 +162,9 @@ class World:
         ``CheckFailure`` (an ``AssertionError``) if the target misbehaves
         during the op (raises unexpectedly, returns wrong values, or an
         ``expect_error`` op does not raise / changes state), ``KnownFailure``
-        if the failure is tolerated but leaves the target diverged.
+        if the failure is tolerated but leaves the target diverged. Where
+        the op fails a check, the checks of ``check()`` run too before it
+        raises, so that the failure carries every check the op fails.
         """
         if op.get("op") not in _HANDLERS:
             raise ValueError(f"unknown op {op.get('op')!r}; the vocabulary is in docs/ops.md")
@@ -175,10 +183,15 @@ class World:
         except (AssertionError, KnownFailure):
             raise
         except Exception as exc:
-            # "raises" is a diverging check: _report raises, tolerated or not.
-            self._report("raises", op, f"the target raised {type(exc).__name__}: {exc}")
+            # Nothing else of the op can be evaluated: the oracles never ran it.
+            self._stop("raises", op, f"the target raised {type(exc).__name__}: {exc}")
             raise
-        self.last = oracle_phase(self, op, ctx)
+        with self._collecting() as found:
+            self.last = oracle_phase(self, op, ctx)
+            if self._would_stop(found):
+                # The caller will not get to check(): its checks run here.
+                self._run_checks(op)
+        self._settle(found)
         return self.last
 
     def step(self, op: dict) -> dict[str, np.ndarray]:
@@ -208,24 +221,43 @@ class World:
     def check(self):
         """Every invariant of the current state; ``CheckFailure`` naming the failing quantity.
 
-        Each check runs whatever the ones before it found (where tolerated).
+        Every check runs whatever the others found; then the first failure
+        that is not tolerated is raised, carrying the others in ``also``
+        (``KnownFailure`` where all are tolerated and one has diverged).
         """
         if self.target is None:
             return
-        op = self._op
+        with self._collecting() as found:
+            self._run_checks(self._op)
+        self._settle(found)
+
+    def _run_checks(self, op):
+        """The checks of ``check()``, each reporting into the op's failures."""
         checks = [self._check_geometry, self._check_dense_matches_model]
         checks += [self._check_masks, self._check_rows]
         if self.contract_checks:
             checks.insert(0, self._check_contract)
         for check in checks:
-            try:
-                check(op)
-            except (AssertionError, KnownFailure):
-                raise
-            except Exception as exc:
-                # A target that crashes while being read (size(), make_mask,
-                # dequantize) is a failed check, reported like any other.
-                self._report("read", op, f"reading the target raised {type(exc).__name__}: {exc}")
+            self._guarded(check, op)
+
+    def _guarded(self, check, op, *args):
+        """``check(op, *args)``; where reading the target raises, a ``read`` failure instead."""
+        try:
+            check(op, *args)
+        except (AssertionError, KnownFailure):
+            raise
+        except Exception as exc:
+            # A target that crashes while being read (size(), make_mask,
+            # dequantize) is a failed check, reported like any other.
+            self._report("read", op, f"reading the target raised {type(exc).__name__}: {exc}")
+
+    def _read(self, op, read: Callable[[], Any]) -> Any:
+        """``read()``, or None where it raises (a ``read`` failure)."""
+        try:
+            return read()
+        except Exception as exc:
+            self._report("read", op, f"reading the target raised {type(exc).__name__}: {exc}")
+            return None
 
     # ============================================================ generation
 
@@ -471,6 +503,17 @@ class World:
         pending = self.model.right_padding[b] if self.model.right_padding else 0
         length = max(0, self.model.row_length(b) - pending)
         got_len = 0 if single.keys is None else int(single.offset)
+        if got_len != length and pending and got_len == self.model.row_length(b):
+            # BatchKVCache's extract: the row's slots to the written end, the
+            # pending padding as tokens. A legal choice mid-prefill (tqbatch
+            # leaves it out): the extracted cache is held to what it chose.
+            self._report(
+                "extract_pending",
+                op,
+                f"extract({b}) holds the {pending} slot(s) of right padding still pending as "
+                f"tokens ({got_len} tokens; tqbatch leaves them out: {length})",
+            )
+            length = got_len
         if got_len != length:
             self._report(
                 "extract_length",
@@ -565,6 +608,20 @@ class World:
 
     def _roundtrip_oracles(self, op, fresh):
         self.target = fresh
+        pending = self.model.right_padding
+        if pending is not None and getattr(fresh, "_right_padding", pending) is None:
+            # Read where mlx-lm keeps it: a restore without it has dropped the
+            # padding still pending, as BatchKVCache's state does (it is not
+            # in its state). A legal choice mid-prefill (tqbatch keeps it):
+            # the oracles follow, the tail is tokens and finalize rolls nothing.
+            self._report(
+                "roundtrip_pending",
+                op,
+                f"the restored cache dropped the right padding still pending {pending} "
+                "(tqbatch keeps it)",
+            )
+            self.model.right_padding = None
+            self.dense.cache._right_padding = None
 
     # ---- expect_error
     def _expect_error(self, op):
@@ -574,38 +631,47 @@ class World:
             raise ValueError(f"expect_error: {expected!r} is not a builtin exception type")
         before = self._read_snapshot(op)
         target_phase, _ = _HANDLERS[inner["op"]]
-        try:
-            target_phase(self, inner)
-        except (CheckFailure, KnownFailure):  # from the nested world of an extend
-            raise
-        except exc_type:
-            pass
-        except Exception as exc:
-            # Rejected all the same: another policy, reported as such; the
-            # snapshot below still holds the cache to "nothing changed".
-            self._report(
-                "error_type",
-                op,
-                f"expected {expected}, the target raised {type(exc).__name__}: {exc}",
-            )
-        else:
-            check = "rejects_by_policy" if op.get("case") in POLICY_CASES else "rejects"
-            self._report(check, op, f"expected {expected}, the target accepted the op")
-        after = self._read_snapshot(op)
-        for key in before:
-            a, b = before[key], after[key]
-            if not _same(a, b):
+        accepted = False
+        with self._collecting() as found:
+            try:
+                target_phase(self, inner)
+            except (CheckFailure, KnownFailure):  # from the nested world of an extend
+                raise
+            except exc_type:
+                pass
+            except Exception as exc:
+                # Rejected all the same: another policy, reported as such; the
+                # snapshot below still holds the cache to "nothing changed".
                 self._report(
-                    "unchanged", op, f"the rejected op changed the target's {key}: {a!r} -> {b!r}"
+                    "error_type",
+                    op,
+                    f"expected {expected}, the target raised {type(exc).__name__}: {exc}",
                 )
+            else:
+                accepted = True
+                check = "rejects_by_policy" if op.get("case") in POLICY_CASES else "rejects"
+                self._report(check, op, f"expected {expected}, the target accepted the op")
+            if not accepted:
+                # Rejected: nothing may have changed. (An accepted op changed
+                # the cache as ops do: "unchanged" has nothing to hold it to.)
+                after = self._read_snapshot(op)
+                for key in before:
+                    a, b = before[key], after[key]
+                    if not _same(a, b):
+                        self._report(
+                            "unchanged",
+                            op,
+                            f"the rejected op changed the target's {key}: {a!r} -> {b!r}",
+                        )
+        self._settle(found)
         return expected
 
     def _read_snapshot(self, op) -> dict:
         try:
             return self._snapshot()
         except Exception as exc:
-            # "read" is a diverging check: _report raises, tolerated or not.
-            self._report("read", op, f"reading the target raised {type(exc).__name__}: {exc}")
+            # Nothing more of the op can be compared.
+            self._stop("read", op, f"reading the target raised {type(exc).__name__}: {exc}")
             raise
 
     def _snapshot(self) -> dict:
@@ -641,18 +707,73 @@ class World:
     # ================================================================ checks
 
     def _report(self, check: str, op, what: str) -> None:
-        """Raise the ``CheckFailure`` of ``check``, unless it is tolerated.
+        """The ``CheckFailure`` of ``check``: kept with the op's failures, or raised now.
 
-        A tolerated failure is kept in ``tolerated``; where the target's
-        state has diverged it still ends the run (``KnownFailure``),
-        elsewhere the caller carries on with its next check.
+        While the op's checks run (``_collecting``) the failure is kept and
+        the caller carries on with its next check; the op's failures are
+        settled once all have run (``_settle``). Outside, it is settled at once.
         """
         exc = failure(check, op, what)
-        if self.tolerate is None or not self.tolerate(exc):
-            raise exc
-        self.tolerated.append(exc)
-        if exc.check.diverged:
-            raise KnownFailure(exc)
+        if self._found is not None:
+            self._found.append(exc)
+            return
+        self._settle([exc])
+
+    def _stop(self, check: str, op, what: str) -> None:
+        """Report a diverging failure after which nothing more of the op can be evaluated.
+
+        Settles the op's failures now, this one last: raises, tolerated or not.
+        """
+        found = self._found if self._found is not None else []
+        found.append(failure(check, op, what))
+        self._settle(found)
+
+    @contextlib.contextmanager
+    def _collecting(self):
+        """Keep the failures reported inside (nested: in the same list); yields the list."""
+        outer = self._found
+        if outer is None:
+            self._found = []
+        try:
+            yield self._found
+        finally:
+            self._found = outer
+
+    def _tolerated(self, exc: CheckFailure) -> bool:
+        return self.tolerate is not None and self.tolerate(exc)
+
+    def _would_stop(self, found: list[CheckFailure]) -> bool:
+        """Whether settling ``found`` would raise: a failure not tolerated, or one diverged."""
+        return any(not self._tolerated(f) or f.check.diverged for f in found)
+
+    def _settle(self, found: list[CheckFailure]) -> None:
+        """Raise what the op's failures call for; return where all are tolerated and none diverged.
+
+        One failure per identity (the first found: a check may fail on
+        several rows or masks). The first that is not tolerated is raised,
+        carrying every other one not tolerated (``also``, each its own
+        identity, listed in a note); tolerated ones are kept in
+        ``tolerated``, and where only they failed and one of them has
+        diverged, ``KnownFailure`` ends the run.
+        """
+        first_of: dict[str, CheckFailure] = {}
+        for f in found:
+            first_of.setdefault(f.identity, f)
+        unique = list(first_of.values())
+        raised = [f for f in unique if not self._tolerated(f)]
+        self.tolerated.extend(f for f in unique if self._tolerated(f))
+        if raised:
+            first = raised[0]
+            first.also = raised[1:]
+            if first.also:
+                first.add_note(
+                    "also failing after this op:\n"
+                    + "\n".join(f"  {f.identity}: {f.what}" for f in first.also)
+                )
+            raise first
+        diverged = [f for f in unique if f.check.diverged]
+        if diverged:
+            raise KnownFailure(diverged[0])
 
     def _check_contract(self, op):
         keys = getattr(self.target, "keys", None)
@@ -666,13 +787,19 @@ class World:
 
     def _check_geometry(self, op):
         t, m, d = self.target, self.model, self.dense
-        size = t.size()
-        if not isinstance(size, (int, np.integer)):
+        # Each quantity read on its own: one that cannot be read (a ``read``
+        # failure) leaves the others to be compared.
+        got = {
+            "offset": self._read(op, lambda: _ints(t.offset)),
+            "left_padding": self._read(op, lambda: _ints(t.left_padding)),
+            "size": self._read(op, t.size),
+        }
+        size = got["size"]
+        if size is not None and not isinstance(size, (int, np.integer)):
             self._report(
                 "size_type", op, f"size() returned {type(size).__name__} {size!r}, not an int"
             )
-            size = None
-        got = {"offset": _ints(t.offset), "left_padding": _ints(t.left_padding), "size": size}
+            got["size"] = None
         want = {"offset": m.offsets, "left_padding": m.left_padding, "size": m.size()}
         dense = {"offset": d.offsets, "left_padding": d.left_padding, "size": d.size()}
         for key in want:
@@ -706,8 +833,8 @@ class World:
                 self._report(
                     "harness", op, f"BatchKVCache make_mask({n}, window_size={window}) != model's"
                 )
-            self._check_mask(op, n, window, want)
-            self._check_default_mask(op, n, window, want)
+            self._guarded(self._check_mask, op, n, window, want)
+            self._guarded(self._check_default_mask, op, n, window, want)
 
     def _check_mask(self, op, n, window, want):
         raw = self.target.make_mask(n, return_array=True, window_size=window)
@@ -762,6 +889,10 @@ class World:
             "mask masks padding or a window",
         )
 
+    def _dequantized_shape(self) -> tuple[int, int, int, int]:
+        """(B, H, size(), D): the shape of what ``dequantize()`` returns for the batch."""
+        return (self.model.batch_size, self.kv_heads, self.model.end, self.head_dim)
+
     def _admit_rounding(self, b: int) -> bool:
         """Let row ``b``'s reference take the target's codes where rounding allows them.
 
@@ -772,6 +903,10 @@ class World:
         if not self.capabilities["dequantize"] or self.target.empty():
             return False
         keys, values = (to_numpy(x) for x in self.target.dequantize())
+        want = self._dequantized_shape()
+        for got in (keys, values):
+            if got.ndim != 4 or got.shape[:2] + got.shape[3:] != want[:2] + want[3:]:
+                return False  # rows cannot be told apart: the ``dequantize`` check reports it
         lp, end = self.model.rows[b].left_padding, self.model.end
         rid = self.model.rows[b].request.id
         return self.refs.admit_rounding_row(rid, keys[b, :, lp:end], values[b, :, lp:end])
@@ -785,14 +920,39 @@ class World:
         if self.target.empty():
             return self._report("content", op, f"the target is empty but rows {rows} hold tokens")
         keys, values = self.target.dequantize()
-        keys, values = to_numpy(keys), to_numpy(values)
-        end = self.model.end
+        end, want = self.model.end, self._dequantized_shape()
+        arrays = {}
+        for name, x in (("keys", keys), ("values", values)):
+            is_array = isinstance(x, mx.array)
+            if not is_array or x.ndim != 4 or not mx.issubdtype(x.dtype, mx.floating):
+                form = f"{x.dtype} {x.shape}" if is_array else type(x).__name__
+                self._report(
+                    "dequantize", op, f"dequantize() {name} are {form}, not a 4-D float array"
+                )
+            else:
+                arrays[name] = to_numpy(x)
+        if len(arrays) < 2:
+            return  # content cannot be read out of them
+        keys, values = arrays["keys"], arrays["values"]
+        evaluable = True
         if keys.shape[2] != end or values.shape[2] != end:
-            return self._report(
+            self._report(
                 "written_end",
                 op,
                 f"dequantize() has {keys.shape[2]} slots, expected the written end {end}",
             )
+            evaluable = False
+        for name, got in (("keys", keys), ("values", values)):
+            if got.shape[:2] + got.shape[3:] != want[:2] + want[3:]:
+                self._report(
+                    "dequantize",
+                    op,
+                    f"dequantize() {name} have shape {got.shape}, expected (B, H, size(), D) "
+                    f"{want}",
+                )
+                evaluable = False
+        if not evaluable:
+            return  # rows cannot be told apart in these: content is not evaluated
         for b in rows:
             lp = self.model.rows[b].left_padding
             rid = self.model.rows[b].request.id

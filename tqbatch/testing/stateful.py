@@ -58,8 +58,10 @@ class Failure:
     """A failing run: the world configuration, the ops up to the failure, the message.
 
     ``identity``, ``check`` and ``level`` come from the ``CheckFailure`` (empty
-    for anything else, e.g. a crash of the harness itself); ``final`` says
-    whether Hypothesis was replaying its shrunk example when it was recorded.
+    for anything else, e.g. a crash of the harness itself); ``also`` the
+    identities of the other checks that failed after the same op (tolerated
+    ones left out); ``final`` says whether Hypothesis was replaying its
+    shrunk example when it was recorded.
     """
 
     impl: str
@@ -70,6 +72,7 @@ class Failure:
     check: str = ""
     level: str = ""
     what: str = ""
+    also: list = field(default_factory=list)
     final: bool = False
 
 
@@ -133,6 +136,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
             check=exc.check.name if checked else "",
             level=exc.level if checked else "",
             what=exc.what if checked else "",
+            also=[f.identity for f in exc.also] if checked else [],
             final=currently_in_test_context() and current_build_context().is_final,
         )
         type(self).last_failure = failure
