@@ -40,6 +40,8 @@ nox.options.download_python = "never"
 MLX = "mlx" if sys.platform == "darwin" else "mlx[cpu]"
 LINT_PATHS = ["tqbatch", "tests", "scripts", "noxfile.py", "conftest.py"]
 WORKFLOWS = [".github/workflows/ci.yml", ".github/workflows/nightly.yml"]
+# The golden scenarios: package data, so that an installed tqbatch replays them.
+GOLDEN = "tqbatch/testing/golden"
 
 
 def _install_test(session: nox.Session) -> None:
@@ -123,7 +125,7 @@ def golden(session: nox.Session) -> None:
     args = list(session.posargs)
     if "--regen" in args:
         args.remove("--regen")
-        session.run("tqbatch", "record", "--all", "tests/golden", env=_backend_env())
+        session.run("tqbatch", "record", "--all", GOLDEN, env=_backend_env())
     session.run("pytest", "tests/golden", *args, env=_backend_env())
 
 

@@ -44,8 +44,8 @@ BAD_TARGET = [
     ["bench", "--impl", "nope:Nope"],
     ["models", "--impl", "nope:Nope"],
     ["conformance", "nope:Nope"],
-    ["replay", "--impl", "nope:Nope", "tests/golden/21_no_idx_attribute.json"],
-    ["record", "--impl", "nope:Nope", "tests/golden/21_no_idx_attribute.json"],
+    ["replay", "--impl", "nope:Nope", "tqbatch/testing/golden/21_no_idx_attribute.json"],
+    ["record", "--impl", "nope:Nope", "tqbatch/testing/golden/21_no_idx_attribute.json"],
 ]
 
 

@@ -1,5 +1,8 @@
 """Replay every golden scenario against the target; show that they kill their mutants.
 
+The scenarios are package data (``tqbatch/testing/golden``), so that an
+installed tqbatch replays them too.
+
 The target is ``--impl`` / ``$TQBATCH_IMPL`` (default tqbatch's class). Nothing
 here records: a missing or stale recording fails, naming ``tqbatch record``.
 """
@@ -9,16 +12,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tqbatch.testing.golden import DIRECTORY as GOLDEN
 from tqbatch.testing.impl import load_impl
 from tqbatch.testing.mutants import MUTANTS, SEED_DEFECTS
 from tqbatch.testing.scenario import Scenario, discover, platform_id, replay
 
-GOLDEN = Path(__file__).parent
 SCENARIOS = [Scenario.load(p) for p in discover([GOLDEN])]
 BY_NAME = {s.name: s for s in SCENARIOS}
 

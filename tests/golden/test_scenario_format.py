@@ -12,6 +12,7 @@ import pytest
 
 from tqbatch.cli import main
 from tqbatch.testing import scenario as sc
+from tqbatch.testing.golden import DIRECTORY as GOLDEN
 from tqbatch.testing.mutants import MUTANTS
 from tqbatch.testing.scenario import (
     RecordError,
@@ -22,7 +23,6 @@ from tqbatch.testing.scenario import (
     write_failure,
 )
 
-GOLDEN = Path(__file__).parent
 SMALL = "16_size_is_written_end_int_at_batch"
 FILTER = "03_filter_zero_padding_row_one_survivor_omlx_2172"
 

@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,10 +22,10 @@ import pytest
 from tqbatch import cli
 from tqbatch.commands import UNCUT_WIDTH, console
 from tqbatch.exitcodes import ExitCode
-from tqbatch.testing import backend, families
+from tqbatch.testing import backend, families, golden
 from tqbatch.testing.campaign import CampaignResult, _Counter
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+GOLDEN = golden.DIRECTORY
 SIZE = "16_size_is_written_end_int_at_batch"
 MUTANT = "tqbatch.testing.mutants:SizeAsArray"
 

@@ -24,11 +24,11 @@ import pytest
 import tqbatch.commands
 from tqbatch import cli
 from tqbatch.exitcodes import HARNESS_MODULES, ExitCode, missing_harness
-from tqbatch.testing import families
+from tqbatch.testing import families, golden
 from tqbatch.testing.campaign import CampaignResult
 
 ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = ROOT / "tests" / "golden"
+GOLDEN = golden.DIRECTORY
 SIZE = "16_size_is_written_end_int_at_batch"  # merge, filter, update, attend
 NO_MERGE = "19_batch_one_left_padding"  # new, prepare, update, attend, extract
 MUTANT = "tqbatch.testing.mutants:SizeAsArray"

@@ -1,4 +1,7 @@
-"""``tqbatch record PATH...``: (re-)record golden scenarios, explicitly.
+"""``tqbatch record [PATH...]``: (re-)record golden scenarios, explicitly.
+
+Without a path it records the golden scenarios shipped with tqbatch
+(``tqbatch.testing.golden``: in a checkout, the files under version control).
 
 Recording is never done by a test run: only this command (and the nox
 ``golden -- --regen`` session, which calls it with ``--all``) writes ``.npz``
@@ -17,6 +20,7 @@ import sys
 
 from tqbatch.commands import add_impl_argument
 from tqbatch.exitcodes import ExitCode
+from tqbatch.testing import golden
 from tqbatch.testing.impl import ImplSpecError, load_impl
 from tqbatch.testing.scenario import (
     RecordError,
@@ -39,7 +43,12 @@ def register(subparsers) -> None:
             "the oracles (a recording must never pin a bug)."
         ),
     )
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="scenario .json or directory")
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help="scenario .json or directory (default: the golden scenarios shipped with tqbatch)",
+    )
     parser.add_argument(
         "--all", action="store_true", help="re-record scenarios whose recording is up to date"
     )
@@ -51,7 +60,7 @@ def record_paths(paths, *, everything: bool = False, impl: str | None = None) ->
     """Record the scenarios under ``paths``; the exit code (see the module docstring)."""
     try:
         cls = load_impl(impl)
-        scenarios = [Scenario.load(p) for p in discover(paths)]
+        scenarios = [Scenario.load(p) for p in discover(paths or [golden.DIRECTORY])]
     except (ImplSpecError, ScenarioError) as err:
         print(f"tqbatch record: {err}", file=sys.stderr)
         return ExitCode.USAGE

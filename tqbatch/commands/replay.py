@@ -1,4 +1,7 @@
-"""``tqbatch replay PATH...``: replay golden scenarios; non-zero exit on divergence.
+"""``tqbatch replay [PATH...]``: replay golden scenarios; non-zero exit on divergence.
+
+Without a path it replays the golden scenarios shipped with tqbatch
+(``tqbatch.testing.golden``).
 
 Exit codes (``tqbatch.exitcodes``): 0 every scenario that ran replayed
 green (scenarios skipped because the target lacks an operation they need are
@@ -19,6 +22,7 @@ import numpy as np
 
 from tqbatch.commands import add_impl_argument, md_cell, step_summary
 from tqbatch.exitcodes import ExitCode
+from tqbatch.testing import golden
 from tqbatch.testing.backend import describe_line
 from tqbatch.testing.impl import ImplSpecError, load_impl
 from tqbatch.testing.scenario import ScenarioError, discover, replay
@@ -36,7 +40,12 @@ def register(subparsers) -> None:
             "for unsupported ops)."
         ),
     )
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="scenario .json or directory")
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help="scenario .json or directory (default: the golden scenarios shipped with tqbatch)",
+    )
     add_impl_argument(parser)
     parser.add_argument(
         "--oracles-only",
@@ -54,7 +63,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     try:
         impl = load_impl(args.impl)
-        paths = discover(args.paths)
+        paths = discover(args.paths or [golden.DIRECTORY])
     except (ImplSpecError, ScenarioError) as err:
         print(f"tqbatch replay: {err}", file=sys.stderr)
         return ExitCode.USAGE

@@ -684,8 +684,9 @@ def write_failure(
 
     ``tqbatch replay PATH`` then reproduces the failure against the oracles.
     Once the bug is fixed, ``tqbatch record PATH`` adds the recording and the
-    scenario can join tests/golden. Op dicts are deep-copied; ``config`` is a
-    dict of scenario config keys (missing ones take ``DEFAULT_CONFIG``) or a World.
+    scenario can join the golden scenarios (``tqbatch.testing.golden``). Op
+    dicts are deep-copied; ``config`` is a dict of scenario config keys
+    (missing ones take ``DEFAULT_CONFIG``) or a World.
     The scenario's ``found_on`` records ``backend`` (default: the current one),
     the run's ``options`` and the ``error``; for a survey's failure also the
     check ``identity`` it pins and the identities that were ``tolerated``
