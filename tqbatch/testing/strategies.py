@@ -24,7 +24,9 @@ __all__ = [
     "other_batch_ops",
     "attend_op",
     "filter_indices",
+    "bad_input_cases",
     "bad_input_op",
+    "expect_error_op",
     "BAD_INPUT_ERRORS",
     "POLICY_CASES",
 ]
@@ -174,14 +176,15 @@ def filter_indices(draw, left_padding: list[int]):
     return keep
 
 
-@st.composite
-def bad_input_op(
-    draw, batch_size: int, written: int, capabilities: dict, world_seed: int, avoid=frozenset()
-):
-    """An ``expect_error`` op whose inner op the contract requires to be rejected.
+def bad_input_cases(
+    batch_size: int, written: int, capabilities: dict, world_seed: int
+) -> list[tuple[str, dict]]:
+    """Every bad-input ``(case, inner op)`` that applies to a batch of this geometry.
 
-    Each op names its ``case``: the identity a survey reports it under.
-    Cases in ``avoid`` are not drawn (while any other is left).
+    The catalogue ``bad_input_op`` draws from, and that a test can walk case
+    by case (tqbatch's pytest plugin does). ``written``: the written end (0:
+    nothing written yet); ``capabilities`` (``tqbatch.testing.impl``) leaves
+    out cases of operations the target lacks.
     """
     B = batch_size
     choices = [("update-rows", {"op": "update", "tokens": 1, "kv_seed": 0, "rows": B + 1})]
@@ -245,6 +248,24 @@ def bad_input_op(
             ),
             ("merge-foreign", {"op": "merge", "lengths": [2, 1], "kv_seed": 0, "foreign": True}),
         ]
+    return choices
+
+
+def expect_error_op(case: str, inner: dict) -> dict:
+    """The ``expect_error`` op of bad-input ``case``: ``inner`` must raise its documented error."""
+    return {"op": "expect_error", "inner": inner, "error": BAD_INPUT_ERRORS[case], "case": case}
+
+
+@st.composite
+def bad_input_op(
+    draw, batch_size: int, written: int, capabilities: dict, world_seed: int, avoid=frozenset()
+):
+    """An ``expect_error`` op whose inner op the contract requires to be rejected.
+
+    Each op names its ``case``: the identity a survey reports it under.
+    Cases in ``avoid`` are not drawn (while any other is left).
+    """
+    choices = bad_input_cases(batch_size, written, capabilities, world_seed)
     choices = [c for c in choices if c[0] not in avoid] or choices
     # The op kind first, then the variant: every kind of bad input is equally
     # likely, however many variants it has (a flat draw under-samples kinds
@@ -252,7 +273,7 @@ def bad_input_op(
     kinds = sorted({inner["op"] for _, inner in choices})
     kind = draw(st.sampled_from(kinds))
     case, inner = draw(st.sampled_from([c for c in choices if c[1]["op"] == kind]))
-    return {"op": "expect_error", "inner": inner, "error": BAD_INPUT_ERRORS[case], "case": case}
+    return expect_error_op(case, inner)
 
 
 # The exception each bad-input case must raise: tqbatch's policy (README, Errors).
