@@ -1,4 +1,14 @@
-"""Root pytest configuration: the backend (precision, device), Hypothesis profiles, the target.
+"""Root pytest configuration of tqbatch's own suite.
+
+The harness's session setup is tqbatch's pytest plugin's
+(``tqbatch.testing.plugin``, installed as a ``pytest11`` entry point): the
+precision and device, the backend's known-answer check (exit code 3), the
+Hypothesis profiles registered, the report header. This file turns it on for
+the suite (``plugin.activate``) and keeps what is the suite's own: ``--impl``,
+``--precision`` and ``--device`` (the plugin's ``--tqbatch-impl``,
+``--tqbatch-precision`` and ``--tqbatch-device`` under the names the suite has
+always taken), the default Hypothesis profile loaded for every test (``ci``
+when ``CI`` is set, else ``dev``) and the ``float32_only`` marker.
 
 MLX reads ``MLX_ENABLE_TF32`` once, so the precision is chosen when this file
 is imported: before pytest loads the ``conftest.py`` of a test directory named
@@ -15,17 +25,18 @@ import sys
 import pytest
 from hypothesis import settings
 
-from tqbatch.testing import backend
+from tqbatch.testing import backend, plugin
 from tqbatch.testing.profiles import default_profile, register_profiles
 
 
 def _precision_on_command_line() -> str | None:
     args = sys.argv[1:]
     for i, arg in enumerate(args):
-        if arg == "--precision" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--precision="):
-            return arg.split("=", 1)[1]
+        for option in ("--tqbatch-precision", "--precision"):
+            if arg == option and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(f"{option}="):
+                return arg.split("=", 1)[1]
     return None
 
 
@@ -42,11 +53,16 @@ register_profiles()
 settings.load_profile(default_profile())
 
 
-def pytest_addoption(parser):
+def pytest_addoption(parser, pluginmanager):
+    # The plugin comes with the install (its entry point); where tqbatch is
+    # only on the path (PYTHONPATH, a staged machine) it is registered here.
+    if not pluginmanager.has_plugin(plugin.NAME) and not pluginmanager.is_blocked(plugin.NAME):
+        pluginmanager.register(plugin, plugin.NAME)
     parser.addoption(
         "--impl",
         default=None,
-        help="cache under test as module:Class (default: $TQBATCH_IMPL or tqbatch's own)",
+        help="cache under test as module:Class (default: $TQBATCH_IMPL or tqbatch's own; "
+        "the suite's name for --tqbatch-impl)",
     )
     parser.addoption(
         "--precision",
@@ -70,20 +86,14 @@ def pytest_configure(config):
         # seed means asking for that seed's examples, so derandomize is dropped.
         settings.register_profile("seeded", settings(settings.default, derandomize=False))
         settings.load_profile("seeded")
-    impl = config.getoption("--impl")
-    if impl:
-        # One source of truth for the target: the harness reads TQBATCH_IMPL.
-        os.environ["TQBATCH_IMPL"] = impl
-    backend.select_precision(config.getoption("--precision"))
-
-
-def pytest_sessionstart(session):
-    try:
-        backend.select_device(session.config.getoption("--device"))
-        session.config._tqbatch_backend = backend.check_backend()
-    except (backend.BackendError, ValueError) as exc:
-        # Cache verdicts on a backend that gets known answers wrong would be noise.
-        pytest.exit(f"tqbatch: {exc}", returncode=3)
+    # The plugin checks the backend at the session's start (exit code 3 if it
+    # fails) and reports it in the header.
+    plugin.activate(
+        config,
+        impl=config.getoption("--impl"),
+        precision=config.getoption("--precision"),
+        device=config.getoption("--device"),
+    )
 
 
 def pytest_runtest_setup(item):
@@ -95,8 +105,3 @@ def pytest_runtest_setup(item):
             f"float32 only (matmuls here run at {backend.matmul_precision()}): "
             f"{marker.kwargs['reason']}"
         )
-
-
-def pytest_report_header(config):
-    info = getattr(config, "_tqbatch_backend", None)
-    return f"tqbatch backend: {backend.describe_line(info)}" if info else None

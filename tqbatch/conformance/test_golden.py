@@ -1,0 +1,54 @@
+"""Each golden scenario shipped with tqbatch, against the cache under test (tqbatch.conformance)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tqbatch.conformance import Found, judge, repro
+from tqbatch.testing import golden
+
+SCENARIOS = golden.paths()
+
+
+def _identity(divergence) -> tuple[str, str]:
+    """The identity and level of a replay's divergence: its check's, where it is one."""
+    from tqbatch.testing.checks import CHECKS, CONTRACT, identity, where_of
+
+    check = CHECKS.get(divergence.quantity)
+    if check is None:  # a recording that differs, or a target that cannot be read
+        return "", CONTRACT
+    return identity(check.name, where_of(divergence.op) if check.per_op else None), check.level
+
+
+@pytest.mark.parametrize("scenario_path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+def test_golden(scenario_path: Path, tqbatch_harness, request):
+    """A golden scenario replays green against the cache."""
+    from tqbatch.testing.scenario import Scenario, replay
+
+    state = tqbatch_harness
+    use_recording = not state.oracles_only
+    scenario = Scenario.load(scenario_path)
+    if state.listed:
+        # Run past listed failures where the cache has not diverged, as a
+        # replay of a survey's find runs past what it tolerated.
+        scenario.found_on = {"tolerated": sorted(state.listed)}
+    result = replay(scenario, state.impl, use_recording=use_recording)
+    if result.skipped:
+        pytest.skip(result.skipped)
+    if result.ok:
+        return
+    first = result.divergences[0]
+    identity, level = _identity(first)
+    if state.listed and not identity:
+        # A divergence that is no check's (the target could not be read as
+        # recorded, a recorded value differs) may only follow from a listed
+        # failure run past: without running past them, which fails first?
+        scenario.found_on = None
+        plain = replay(scenario, state.impl, use_recording=use_recording)
+        cause = _identity(plain.divergences[0]) if plain.divergences else ("", "")
+        if cause[0] in state.listed and plain.divergences[0].step <= first.step:
+            first, (identity, level) = plain.divergences[0], cause
+    found = Found(identity, level, str(first), len(scenario.ops), repro(state, scenario_path))
+    judge(request, state, [found])

@@ -1,0 +1,73 @@
+"""A survey of the state machine, against the cache under test (see ``tqbatch.conformance``)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tqbatch.conformance import Found, failing, judge, options, repro
+
+
+class _Live:
+    """Writes each failure of the survey to the terminal as soon as it is listed.
+
+    The test reports when the survey ends; this shows in a CI log, as it
+    happens, what it will report.
+    """
+
+    def __init__(self, config: pytest.Config):
+        self.reporter = config.pluginmanager.get_plugin("terminalreporter")
+        self.capture = config.pluginmanager.get_plugin("capturemanager")
+        self.start = time.monotonic()
+        self.shown = 0
+
+    def __call__(self, result) -> None:
+        new = result.failures[self.shown :]
+        self.shown = len(result.failures)
+        if not new or self.reporter is None or self.capture is None:
+            return
+        seconds = time.monotonic() - self.start
+        with self.capture.global_and_fixture_disabled():
+            self.reporter.write("\n")  # off the line of progress characters
+            for f in new:
+                self.reporter.write_line(
+                    f"tqbatch survey: {f.get('identity') or '(harness)'} [{f['level']}] found, "
+                    f"shrunk to {len(f['ops'])} ops, {seconds:.0f} s in"
+                )
+
+
+def test_state_machine(tqbatch_harness, request):
+    """A survey of the state machine lists no failure that is not known."""
+    from hypothesis import settings
+
+    from tqbatch.testing.campaign import CampaignResult, run_campaign, save_failures
+
+    state = tqbatch_harness
+    examples = state.examples or settings.get_profile(state.profile).max_examples
+    live = _Live(request.config)
+    result = run_campaign(
+        state.impl,
+        examples=examples,
+        profile=state.profile,
+        seed=state.seed,
+        survey=True,
+        on_example=live,
+    )
+    live(result)
+    request.node.user_properties.append(("tqbatch_examples", result.examples))
+    found = [
+        Found(f.get("identity") or "", f["level"], f.get("what") or f["message"], len(f["ops"]))
+        for f in result.failures
+    ]
+    new = failing(state, found)
+    if new:
+        keep = [f for f, mine in zip(result.failures, found) if any(mine is n for n in new)]
+        saved = options(
+            request, state, examples=examples, profile=state.profile, seed=state.seed, survey=True
+        )
+        paths = save_failures(CampaignResult(failures=keep), state.failures_dir, options=saved)
+        for mine, path in zip(new, paths):
+            if path is not None:
+                mine.repro = repro(state, path)
+    judge(request, state, found)
