@@ -2,8 +2,10 @@
 
 Against purpose-built caches with known bugs (budgets fixed, seeds fixed:
 the same examples on every run), the survey must list each bug under its
-check, save a scenario per bug whose replay fails on that check, keep a
-different error policy apart from the contract, and find nothing in tqbatch.
+check (two bugs of one op included), save a scenario per bug whose replay
+fails on that check, keep a different error policy apart from the contract,
+pass a cache that treats pending right padding as BatchKVCache does, and find
+nothing in tqbatch.
 """
 
 from __future__ import annotations
@@ -11,8 +13,16 @@ from __future__ import annotations
 import pytest
 
 import tqbatch
+from tqbatch import _packed
 from tqbatch.testing.campaign import CampaignResult, conforms, run_campaign, survey_test_case
-from tqbatch.testing.mutants import ExtractDropsLastToken, FilterWithoutCompaction
+from tqbatch.testing.checks import CheckFailure, KnownFailure
+from tqbatch.testing.doubles import PendingPaddingAsBatchKVCache
+from tqbatch.testing.mutants import (
+    ExtractDropsLastToken,
+    FilterWithoutCompaction,
+    RoundtripAliasesDonor,
+)
+from tqbatch.testing.ops import World
 from tqbatch.testing.scenario import replay, write_failure
 
 
@@ -28,6 +38,25 @@ class TypeErrorPolicy(tqbatch.BatchTurboQuantKVCache):
         if len(set(indices)) != len(indices):
             raise TypeError("repeated row index")
         return super().filter(indices)
+
+
+class RoundtripFastPathBugs(RoundtripAliasesDonor):
+    """Two bugs of one op, always together: for a padded batch whose buffers are exactly full
+    and whose rows all hold tokens, ``state`` hands out the live buffers (a restored copy shares
+    them: the donor's next write lands in it) and counts the left padding as tokens (the
+    restored offsets are the written end)."""
+
+    @property
+    def state(self):
+        full = self.keys is not None and _packed.length(self.keys) == self._end
+        if full and max(self.left_padding.tolist()) > 0 and min(self.offset.tolist()) > 0:
+            rows = self.batch_size
+            return self.keys, self.values, [self._end] * rows, [0] * rows
+        return tqbatch.BatchTurboQuantKVCache.state.fget(self)
+
+    @state.setter
+    def state(self, value):
+        RoundtripAliasesDonor.state.fset(self, value)
 
 
 def _survey(impl, examples=40):
@@ -106,3 +135,53 @@ def test_survey_test_case_lists_every_failure():
     with pytest.raises(AssertionError) as info:
         case.runTest()
     assert "left_padding@filter" in str(info.value) and "distinct failures" in str(info.value)
+
+
+def test_every_check_after_an_op_reports_its_failure():
+    world = World(RoundtripFastPathBugs, bits=4.0, seed=0, kv_heads=2, head_dim=64)
+    world.apply({"op": "merge", "lengths": [3, 5], "kv_seed": 1})
+    world.check()
+    with pytest.raises(CheckFailure) as info:
+        world.apply({"op": "roundtrip"})
+        world.check()
+    identities = [info.value.identity] + [f.identity for f in info.value.also]
+    assert identities[0] == "offset@roundtrip"
+    # The aliasing is not hidden behind the offset (which has diverged).
+    assert "content@roundtrip" in identities and "content@roundtrip" in info.value.__notes__[0]
+    assert len(set(identities)) == len(identities)
+    # Every one tolerated: the offset has diverged, so the run ends there.
+    world = World(RoundtripFastPathBugs, tolerate=lambda f: True)
+    world.apply({"op": "merge", "lengths": [3, 5], "kv_seed": 1})
+    with pytest.raises(KnownFailure):
+        world.apply({"op": "roundtrip"})
+        world.check()
+
+
+def test_two_bugs_of_one_op_each_get_their_own_repro(tmp_path):
+    # The aliasing shows only where the offset fails too, which ends the example
+    # (it has diverged): it is found among the other checks of that op.
+    result = _survey(RoundtripFastPathBugs, examples=5)
+    by_identity = {f["identity"]: f for f in result.failures}
+    assert {"offset@roundtrip", "content@roundtrip"} <= set(by_identity), list(by_identity)
+    assert "offset@roundtrip" in by_identity["content@roundtrip"]["tolerated"]
+    for identity in ("offset@roundtrip", "content@roundtrip"):
+        failure = by_identity[identity]
+        path = write_failure(
+            failure["ops"],
+            failure["config"],
+            tmp_path / identity.replace("@", "-"),
+            error=failure["message"],
+            identity=identity,
+            tolerated=failure["tolerated"],
+        )
+        replayed = replay(path, RoundtripFastPathBugs, use_recording=False)
+        assert replayed.divergences[0].quantity == failure["check"], replayed.summary()
+
+
+def test_pending_padding_as_batchkvcache_conforms_with_policy_differences():
+    result = _survey(PendingPaddingAsBatchKVCache, examples=6)
+    assert conforms(result), [(f["identity"], f["level"]) for f in result.failures]
+    assert {f["identity"] for f in result.failures} == {
+        "extract_pending@extract",
+        "roundtrip_pending@roundtrip",
+    }
