@@ -22,6 +22,11 @@ about them, so that it is only consulted where it is right:
 4. ``extract`` ignores pending right padding: it is not consulted for
    ``extract`` while right padding is pending.
 5. ``make_mask`` ignores ``return_array`` (always an array): harmless here.
+
+Where tqbatch's policy differs from ``BatchKVCache`` and a target may follow
+either (``tqbatch.testing.checks``, policy level), the oracle follows the
+target: its ``state`` does not carry pending right padding, so after a round
+trip that drops it (check ``roundtrip_pending``) ``_right_padding`` is cleared.
 """
 
 from __future__ import annotations
