@@ -305,6 +305,7 @@ def _profile(config: pytest.Config) -> str:
 # ---------------------------------------------------------------- session
 
 
+@pytest.hookimpl(tryfirst=True)  # before Hypothesis's plugin loads --hypothesis-profile
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_Summary(config), f"{NAME}-summary")
     try:

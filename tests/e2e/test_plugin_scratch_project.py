@@ -1,0 +1,314 @@
+"""tqbatch's pytest plugin from a project outside this checkout, as a cache's owner runs it.
+
+A scratch project in a temporary directory, with its own ``pyproject.toml``
+and a toy cache module (``toy.cache``: ``Toy``, tqbatch's cache as it is, and
+``Broken``, which accepts ``trim(-1)`` instead of rejecting it). Its Python is
+a venv made with ``--system-site-packages`` from the running interpreter,
+whose own site-packages are put on the venv's path (mlx and the rest are not
+installed again), and tqbatch is installed into it from a copy of this
+checkout (``pip install --no-deps``, not editable: collecting the
+conformance tests from this checkout would also load its root
+``conftest.py``). Every command runs with the scratch project as its current
+directory, as ``python -m pytest --pyargs tqbatch.conformance ...``.
+
+Small budgets (``--tqbatch-examples``, the ``dev`` profile) and one survey
+of the broken cache (it shrinks what it finds) keep it near two minutes on
+two idle cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import xml.etree.ElementTree as ET
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 600
+
+pytestmark = pytest.mark.slow
+
+TOY = '''\
+"""A toy project's batch caches: one conforms, one has a planted bug."""
+
+from tqbatch import BatchTurboQuantKVCache
+
+
+class Toy(BatchTurboQuantKVCache):
+    """tqbatch's cache as it is."""
+
+
+class Broken(BatchTurboQuantKVCache):
+    """Takes ``trim(-1)`` for "trim nothing", where the contract requires a ValueError."""
+
+    def trim(self, n):
+        if n < 0:
+            return 0
+        return super().trim(n)
+'''
+
+PYPROJECT = """\
+[project]
+name = "toy"
+version = "0"
+
+[tool.pytest.ini_options]
+addopts = "-p no:cacheprovider"
+tqbatch_impl = "toy.cache:Toy"
+"""
+
+# Makes the backend fail its known-answer check where TOY_BROKEN_BACKEND is
+# set: fused attention returns zeros, as a broken GPU's kernels have.
+CONFTEST = """\
+import os
+
+if os.environ.get("TOY_BROKEN_BACKEND"):
+    import mlx.core as mx
+
+    mx.fast.scaled_dot_product_attention = lambda q, k, v, **kw: mx.zeros(q.shape, dtype=q.dtype)
+"""
+
+KNOWN = """\
+# toy.cache:Broken
+rejects@trim-negative  # Broken takes trim(-1) for trim nothing; fixed in the next release
+"""
+
+PLUGIN = ["--pyargs", "tqbatch.conformance", "--hypothesis-profile", "dev"]
+PLUGIN += ["--tqbatch-examples", "3"]
+
+
+class Scratch:
+    def __init__(self, project: Path, python: Path):
+        self.project, self.python = project, python
+
+    def run(self, *args: str, unset: tuple[str, ...] = (), **env: str):
+        drop = {"PYTHONPATH", "TQBATCH_IMPL", "GITHUB_STEP_SUMMARY", "PYTEST_ADDOPTS", *unset}
+        environment = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in drop and not k.startswith("PYTEST_XDIST")
+        }
+        environment.update(env)
+        return subprocess.run(
+            [str(self.python), *args],
+            cwd=self.project,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+
+    def pytest(self, *args: str, **env: str) -> subprocess.CompletedProcess:
+        return self.run("-m", "pytest", *PLUGIN, *args, **env)
+
+
+def _site_dirs() -> list[str]:
+    """Where the running interpreter finds its packages: not its standard library (the venv
+    has its own, and pip's isolated builds drop what a .pth adds), nor this checkout."""
+    stdlib = {Path(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")}
+
+    def in_stdlib(path: Path) -> bool:
+        inside = any(path == lib or lib in path.parents for lib in stdlib)
+        return inside and not {"site-packages", "dist-packages"} & set(path.parts)
+
+    return [
+        p
+        for p in sys.path
+        if os.path.isabs(p)
+        and os.path.isdir(p)
+        and not in_stdlib(Path(p))
+        and not os.path.exists(os.path.join(p, "tqbatch", "__init__.py"))
+    ]
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Scratch:
+    base = tmp_path_factory.mktemp("plugin")
+    project = base / "project"
+    (project / "toy").mkdir(parents=True)
+    (project / "toy" / "__init__.py").write_text("")
+    (project / "toy" / "cache.py").write_text(TOY)
+    (project / "pyproject.toml").write_text(PYPROJECT)
+    (project / "conftest.py").write_text(CONFTEST)
+    (project / "known-failures.txt").write_text(KNOWN)
+
+    venv = base / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+        check=True,
+        timeout=TIMEOUT,
+    )
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    Path(site, "running-interpreter.pth").write_text("\n".join(_site_dirs()) + "\n")
+
+    # A copy of what the wheel is built from: building in the checkout would
+    # leave build/ there.
+    source = base / "tqbatch-src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(
+        ROOT / "tqbatch", source / "tqbatch", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    install = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps"]
+    install += ["--quiet", "--disable-pip-version-check"]
+    try:  # the project's build backend where it is here; else pip gets it, as for any user
+        isolated = int(metadata.version("setuptools").split(".")[0]) < 77
+    except metadata.PackageNotFoundError:
+        isolated = True
+    if not isolated:
+        install.append("--no-build-isolation")
+    subprocess.run([*install, str(source)], check=True, timeout=TIMEOUT)
+
+    made = Scratch(project, python)
+    where = made.run("-c", "import tqbatch; print(tqbatch.__file__)")
+    assert where.returncode == 0, where.stderr
+    assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout  # the installed copy
+    return made
+
+
+def _junit(path: Path) -> dict[str, ET.Element]:
+    return {case.get("name"): case for case in ET.parse(path).getroot().iter("testcase")}
+
+
+def test_a_conforming_cache_passes_with_every_test_in_junit(scratch):
+    run = scratch.pytest("--tqbatch-impl", "toy.cache:Toy", "-q", "--junitxml", "out.xml")
+    assert run.returncode == 0, run.stdout + run.stderr
+    cases = _junit(scratch.project / "out.xml")
+    for name in (
+        "test_bad_input[trim-negative]",
+        "test_golden[22_long_lifecycle]",
+        "test_state_machine",
+    ):
+        assert name in cases, sorted(cases)
+    assert sum(n.startswith("test_bad_input[") for n in cases) == 16
+    assert sum(n.startswith("test_golden[") for n in cases) == 31
+    assert not [c for c in cases.values() if c.find("failure") is not None]
+    assert not (scratch.project / "tqbatch-failures").exists()  # a green run leaves nothing
+
+
+def test_the_ini_names_the_target_and_the_header_says_which(scratch):
+    run = scratch.pytest("--collect-only", "-k", "state_machine")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "tqbatch target: toy.cache:Toy" in run.stdout
+    assert "tqbatch backend: mlx" in run.stdout
+
+
+def test_a_broken_cache_fails_naming_the_failure_with_a_replayable_scenario(scratch):
+    # Without the survey, which finds the same failure (and shrinks it: a
+    # minute here); the next test runs it.
+    run = scratch.pytest(
+        "--tqbatch-impl", "toy.cache:Broken", "-q", "--junitxml", "broken.xml", "-k", "not state"
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "rejects@trim-negative [contract" in run.stdout
+    failed = [
+        name
+        for name, case in _junit(scratch.project / "broken.xml").items()
+        if case.find("failure") is not None
+    ]
+    assert "test_bad_input[trim-negative]" in failed, failed
+    repro = re.search(r"reproduce: tqbatch replay --impl toy\.cache:Broken (\S+\.json)", run.stdout)
+    assert repro, run.stdout
+    path = repro.group(1)
+    assert (scratch.project / path).is_file() and path.startswith("tqbatch-failures")
+    # The scenario reproduces the failure against the oracles; the cache
+    # without the bug replays it green.
+    again = scratch.run("-m", "tqbatch", "replay", "--impl", "toy.cache:Broken", path)
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "rejects" in again.stdout
+    toy = ["--impl", "toy.cache:Toy", "--oracles-only"]
+    fixed = scratch.run("-m", "tqbatch", "replay", *toy, path)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+
+
+def test_a_listed_failure_is_an_xfail_with_its_reason(scratch):
+    run = scratch.pytest(
+        "--tqbatch-impl",
+        "toy.cache:Broken",
+        "--tqbatch-known-failures",
+        "known-failures.txt",
+        "-q",
+        "-rx",
+        "--junitxml",
+        "known.xml",
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "xfailed" in run.stdout and "fixed in the next release" in run.stdout
+    cases = _junit(scratch.project / "known.xml")
+    skipped = cases["test_bad_input[trim-negative]"].find("skipped")
+    assert skipped is not None and skipped.get("type") == "pytest.xfail"
+    assert "rejects@trim-negative" in skipped.get("message")
+    # The survey finds it too, and judges it the same way.
+    survey = cases["test_state_machine"]
+    assert survey.find("failure") is None and survey.find("error") is None
+
+
+def test_a_listed_failure_that_no_longer_fails_is_reported(scratch):
+    run = scratch.pytest(
+        "--tqbatch-impl",
+        "toy.cache:Toy",
+        "--tqbatch-known-failures",
+        "known-failures.txt",
+        "-q",
+        "-rX",
+        "-k",
+        "trim-negative",
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "XPASS" in run.stdout and "1 xpassed" in run.stdout
+    assert "listed, not found by the tests that should show it: rejects@trim-negative" in (
+        run.stdout
+    )
+    strict = scratch.pytest(
+        "--tqbatch-impl",
+        "toy.cache:Toy",
+        "--tqbatch-known-failures",
+        "known-failures.txt",
+        "--tqbatch-strict-known-failures",
+        "-q",
+        "-k",
+        "trim-negative",
+    )
+    assert strict.returncode == 1, strict.stdout + strict.stderr
+    assert "XPASS(strict)" in strict.stdout
+
+
+def test_a_backend_that_fails_its_check_stops_the_run_with_exit_3(scratch):
+    run = scratch.pytest("--tqbatch-impl", "toy.cache:Toy", "-q", TOY_BROKEN_BACKEND="1")
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "fused attention" in run.stdout + run.stderr
+
+
+def test_the_plugin_stays_out_of_a_run_that_does_not_ask_for_it(scratch):
+    (scratch.project / "tests").mkdir(exist_ok=True)
+    (scratch.project / "tests" / "test_own.py").write_text(
+        textwrap.dedent(
+            """\
+            import os
+            import sys
+
+
+            def test_own():
+                assert "mlx.core" not in sys.modules  # no backend check, no mlx imported
+                assert "MLX_ENABLE_TF32" not in os.environ  # the precision left alone
+            """
+        )
+    )
+    # This suite's own choice of precision is not inherited.
+    run = scratch.run("-m", "pytest", "-q", "tests", unset=("MLX_ENABLE_TF32", "TQBATCH_PRECISION"))
+    assert run.returncode == 0, run.stdout + run.stderr
