@@ -44,7 +44,13 @@ def test_load_impl_sources(monkeypatch):
 
     assert load_impl() is Upstream
     assert load_impl("tqbatch:BatchTurboQuantKVCache") is tqbatch.BatchTurboQuantKVCache
-    for bad in ("tqbatch", "no_such_module:X", "tqbatch:Nope", "tqbatch:__version__", "math:sqrt"):
+    # The short names of ALIASES, from an argument or from the environment.
+    assert load_impl("tqbatch") is tqbatch.BatchTurboQuantKVCache
+    assert load_impl("mlx-vlm") is Upstream
+    monkeypatch.setenv("TQBATCH_IMPL", "tqbatch")
+    assert load_impl() is tqbatch.BatchTurboQuantKVCache
+    bad_specs = ("tqbatch.cache", "no_such_module:X", "tqbatch:Nope", "tqbatch:__version__")
+    for bad in (*bad_specs, "math:sqrt", "mlx_vlm"):
         with pytest.raises(ImplSpecError, match="implementation"):
             load_impl(bad)
 

@@ -55,13 +55,20 @@ def md_cell(text) -> str:
     return " ".join(str(text).split()).replace("|", "\\|") or "-"
 
 
-def add_impl_argument(parser, help: str = "cache under test") -> None:
-    """The ``--impl MODULE:CLASS`` option every command shares (resolved by ``load_impl``)."""
+def add_impl_argument(
+    parser,
+    help: str = "cache under test",
+    default: str = "$TQBATCH_IMPL or tqbatch.BatchTurboQuantKVCache",
+) -> None:
+    """The ``--impl MODULE:CLASS`` option every command shares (resolved by ``load_impl``,
+    which also takes the short names of ``tqbatch.testing.impl.ALIASES``)."""
+    from tqbatch.testing.impl import ALIASES
+
     parser.add_argument(
         "--impl",
         metavar="MODULE:CLASS",
         default=None,
-        help=f"{help} (default: $TQBATCH_IMPL or tqbatch.BatchTurboQuantKVCache)",
+        help=f"{help}: module:Class or one of {', '.join(ALIASES)} (default: {default})",
     )
 
 

@@ -12,6 +12,11 @@ cache (nudged within rounding) and to fail one nudged past it.
 tqbatch's policy differs: the harness must pass it on the contract and list
 the differences as policy.
 
+``WithoutSplitBits`` and ``WithoutSeed`` are correct caches whose
+constructors take fewer configurations (no ``key_bits``/``value_bits``; no
+``seed``): the harness must report those configurations as unsupported and
+not draw them, never fail the cache for them.
+
 Importable by path like the mutants, e.g. ``tqbatch.testing.doubles:RoundsOtherwise``.
 """
 
@@ -22,7 +27,13 @@ import numpy as np
 
 from tqbatch.cache import BatchTurboQuantKVCache
 
-__all__ = ["PendingPaddingAsBatchKVCache", "RoundsFarOtherwise", "RoundsOtherwise"]
+__all__ = [
+    "PendingPaddingAsBatchKVCache",
+    "RoundsFarOtherwise",
+    "RoundsOtherwise",
+    "WithoutSeed",
+    "WithoutSplitBits",
+]
 
 
 class RoundsOtherwise(BatchTurboQuantKVCache):
@@ -71,3 +82,35 @@ class PendingPaddingAsBatchKVCache(BatchTurboQuantKVCache):
     @meta_state.setter
     def meta_state(self, value):
         BatchTurboQuantKVCache.meta_state.fset(self, value)
+
+
+class _NarrowConstructor(BatchTurboQuantKVCache):
+    """A constructor that takes fewer keywords than tqbatch's; everything else is tqbatch's.
+
+    Built, an instance is tqbatch's configured class (``_for_config``), whose
+    own methods (``merge``, ``extend`` of a full-precision batch) construct
+    caches with every keyword: only the constructor the harness calls is
+    narrower, which is what these doubles are for.
+    """
+
+    @classmethod
+    def _for_config(cls, config: tuple) -> type:
+        return BatchTurboQuantKVCache._for_config(config)
+
+    @classmethod
+    def merge(cls, caches) -> BatchTurboQuantKVCache:
+        return BatchTurboQuantKVCache.merge(caches)
+
+
+class WithoutSplitBits(_NarrowConstructor):
+    """Correct, but its constructor has no ``key_bits``/``value_bits``: one width for both."""
+
+    def __init__(self, left_padding, bits=4.0, seed=0):
+        super().__init__(left_padding, bits, seed)
+
+
+class WithoutSeed(_NarrowConstructor):
+    """Correct, but its constructor has no ``seed``: it quantizes with seed 0."""
+
+    def __init__(self, left_padding, bits=4.0, *, key_bits=None, value_bits=None):
+        super().__init__(left_padding, bits, key_bits=key_bits, value_bits=value_bits)

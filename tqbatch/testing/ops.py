@@ -145,8 +145,11 @@ class World:
     # ================================================================ public
 
     def supports(self, op: dict) -> bool:
-        """Whether the target offers every capability ``op`` needs."""
+        """Whether the target offers every capability ``op`` needs (for ``new``: whether its
+        constructor takes the configuration, ``impl.CONFIGURATIONS``)."""
         need = _NEEDS.get(op["op"], ())
+        if op["op"] == "new":
+            need = self._configuration_needs(op.get("seed"))
         if op["op"] == "expect_error":
             return self.supports(op["inner"])
         if op["op"] == "extend":
@@ -279,9 +282,19 @@ class World:
             value_bits=self.value_bits,
         )
 
+    def _configuration_needs(self, seed=None) -> tuple[str, ...]:
+        """Constructor capabilities a cache of this configuration (``seed``: another) needs."""
+        need = ()
+        if self.key_bits is not None or self.value_bits is not None:
+            need += ("split_bits",)
+        if (self.seed if seed is None else seed) != 0:  # no seed parameter: seed 0
+            need += ("seed",)
+        return need
+
     def _construct(self, left_padding, bits=None, seed=None):
         kwargs = dict(bits=self.bits if bits is None else bits)
-        kwargs["seed"] = self.seed if seed is None else seed
+        if self.capabilities.get("seed", True):  # without it, seed 0 (``supports``)
+            kwargs["seed"] = self.seed if seed is None else seed
         if self.key_bits is not None:
             kwargs["key_bits"] = self.key_bits
         if self.value_bits is not None:

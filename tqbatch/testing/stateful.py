@@ -37,7 +37,13 @@ from hypothesis.stateful import (
 
 from tqbatch.testing import strategies as tqs
 from tqbatch.testing.checks import CheckFailure, KnownFailure
-from tqbatch.testing.impl import impl_spec, load_impl, missing_capabilities
+from tqbatch.testing.impl import (
+    CONFIGURATIONS,
+    capabilities,
+    impl_spec,
+    load_impl,
+    missing_capabilities,
+)
 from tqbatch.testing.ops import World
 
 __all__ = [
@@ -327,10 +333,22 @@ def machine_for(
             UnsupportedOpsWarning,
             stacklevel=2,
         )
+    configured = {}
+    caps = capabilities(impl)
+    if not all(caps[name] for name in CONFIGURATIONS):
+        # Configurations its constructor cannot take are not drawn (reported by
+        # impl.unsupported_configurations, not failed); other targets keep the
+        # base class's rule, and so their examples.
+        @initialize(config=tqs.configs(caps), data=st.data())
+        def start(self, config, data):
+            BatchCacheMachine.start(self, config, data)
+
+        configured["start"] = start
     return type(
         f"BatchCacheMachine_{impl.__name__}",
         (BatchCacheMachine,),
         {
+            **configured,
             "impl": impl,
             "contract_checks": contract_checks,
             "tolerate": staticmethod(tolerate) if tolerate else None,

@@ -38,28 +38,31 @@ MAX_BLOCK = 4
 seeds = st.integers(0, 2**16)
 
 
-def configs():
+def configs(capabilities: dict | None = None):
     """World configuration: bit widths, codec seed, K/V geometry.
 
     Cheap, common choices first (Hypothesis shrinks towards them); the head
     dims models use (96, 128, 256), 2.5, 6 and 8 bits and separate key /
     value widths after them. Per-side widths are integers: a fractional one
     depends on the data (mlx-vlm picks its high-precision channels from the
-    first tokens), so tqbatch refuses it.
+    first tokens), so tqbatch refuses it. Configurations the target's
+    constructor cannot take (``capabilities``, ``tqbatch.testing.impl``:
+    ``split_bits``, ``seed``) are not drawn.
     """
+    caps = capabilities or {}
     widths = [2.0, 3.0, 3.5, 4.0, 2.5, 6.0, 8.0]
     side = st.sampled_from([2.0, 3.0, 4.0, 6.0, 8.0])
     return st.fixed_dictionaries(
         {
             "bits": st.sampled_from(widths),
-            "seed": st.integers(0, 2),
+            "seed": st.integers(0, 2) if caps.get("seed", True) else st.just(0),
             "kv_heads": st.sampled_from([1, 2]),
             # 80 at 3 bits packs to a width that is not a whole number of
             # coordinates: codec rebuild from packed width fails there (omlx #577),
             # so it is drawn twice as often as the others.
             "head_dim": st.sampled_from([32, 64, 80, 80, 96, 128, 256]),
         },
-        optional={"key_bits": side, "value_bits": side},
+        optional={"key_bits": side, "value_bits": side} if caps.get("split_bits", True) else {},
     )
 
 
@@ -233,13 +236,14 @@ def bad_input_cases(
             {"op": "new", "left_padding": [0], "seed": world_seed + 1},
             {"op": "update", "tokens": 2, "kv_seed": 1},
         ]
-        choices += [
-            ("extend-mixed-config", {"op": "extend", "other": other}),
+        if capabilities.get("seed", True):  # the other batch is built with another seed
+            choices.append(("extend-mixed-config", {"op": "extend", "other": other}))
+        choices.append(
             (
                 "extend-foreign",
                 {"op": "extend", "other": [{"op": "new", "left_padding": [0]}], "foreign": True},
-            ),
-        ]
+            )
+        )
     if capabilities.get("merge"):
         choices += [
             (
