@@ -147,9 +147,9 @@ def test_replay_summary_counts(tmp_path, summary):
 
 
 def test_conformance_summary_is_its_markdown_table(summary):
-    assert cli.main(["conformance", MUTANT, "--examples", "1"]) == ExitCode.OK
+    assert cli.main(["conformance", MUTANT, "--examples", "1"]) == ExitCode.DEFECT
     text = summary.read_text()
-    assert text.startswith("### tqbatch conformance\n\nexit 0: clean")
+    assert text.startswith("### tqbatch conformance\n\nexit 1: the target has a defect")
     assert "| target | conforms | contract failures | policy differences |" in text
     assert "| `SizeAsArray` | no | 1: `size_type` | - |" in text
 

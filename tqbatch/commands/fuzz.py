@@ -14,10 +14,19 @@ each shard a distinct seed; every shard's failures are reported.
 is saved there is replayed first, and what is found is saved there.
 ``--replay-only`` replays it and generates nothing (exit 5 when nothing was
 saved: nothing was checked). ``--junit-xml PATH`` writes a JUnit XML report
-(``tqbatch.testing.junit``).
+(``tqbatch.testing.junit``). ``--known-failures FILE`` (implies
+``--survey``) judges the failures against a known-failures list
+(``tqbatch.testing.known_failures``), as ``tqbatch conformance`` does: only
+contract failures that are not listed fail the run, listed ones not found
+are reported as no longer failing (and fail it with
+``--strict-known-failures``). Configurations the target's constructor cannot
+take (split key/value bits, a seed) are not drawn, and are reported as
+unsupported.
 
 Exit codes (``tqbatch.exitcodes``): 0 no failure (a survey: no contract
-failure); 1 a failure; 2 a usage error or a target that does not load; 3 the
+failure; with ``--known-failures``: none that is not listed); 1 a failure;
+2 a usage error, a target that does not load or a known-failures file that
+does not parse; 3 the
 backend failed its check; 4 the harness extra is missing (``--workers``
 needs pytest-xdist too); 5 nothing was checked: no example ran and nothing
 was replayed, as ``--replay-only`` with nothing saved for the target (a CI
@@ -32,6 +41,7 @@ import sys
 
 from tqbatch.commands import add_impl_argument, md_cell, step_summary
 from tqbatch.commands import console as make_console
+from tqbatch.commands._gate import add_known_failures_arguments
 from tqbatch.exitcodes import ExitCode
 
 
@@ -97,6 +107,7 @@ def register(subparsers) -> None:
         action="store_true",
         help="skip structural contract checks (e.g. no `_idx` attribute) to reach deeper bugs",
     )
+    add_known_failures_arguments(parser, per_target=False)
     parser.set_defaults(func=run)
 
 
@@ -107,8 +118,15 @@ def run(args) -> int:
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from tqbatch.commands import _gate
     from tqbatch.testing.databases import DatabaseSpecError, check_database, open_database
-    from tqbatch.testing.impl import impl_spec, load_impl, missing_capabilities
+    from tqbatch.testing.impl import (
+        impl_spec,
+        load_impl,
+        missing_capabilities,
+        unsupported_configurations,
+    )
+    from tqbatch.testing.known_failures import KnownFailuresError
     from tqbatch.testing.shards import campaign_from_options, run_shards
 
     console = make_console(stderr=True)
@@ -131,6 +149,16 @@ def run(args) -> int:
     except DatabaseSpecError as exc:  # one line, as tqbatch.cli reports a bad --impl
         print(f"tqbatch fuzz: {exc}", file=sys.stderr)
         return ExitCode.USAGE
+    try:
+        known = _gate.load_known_failures(args.known_failures)
+        known_files = [str(_gate.known_failures_path(f)) for f in args.known_failures]
+    except KnownFailuresError as exc:
+        print(f"tqbatch fuzz: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    if args.known_failures and not args.survey:
+        # A plain campaign stops at its first failure, known or not.
+        console.print("--known-failures surveys: every distinct failure is judged")
+        args.survey = True
     if args.examples is None and args.minutes is None and not args.replay_only:
         args.minutes = 2.0
     if args.replay_only and args.workers > 1:
@@ -146,6 +174,12 @@ def run(args) -> int:
     missing = missing_capabilities(impl)
     if missing:
         console.print(f"{target} lacks {', '.join(missing)}: those rules are skipped")
+    configurations = unsupported_configurations(impl)
+    if configurations:
+        console.print(
+            f"{target}'s constructor cannot take {', '.join(configurations)}: "
+            "those configurations are not drawn (unsupported, not a defect)"
+        )
     # Every option of the run, saved with each failure so that it can be rerun.
     options = {
         "impl": target,
@@ -180,12 +214,16 @@ def run(args) -> int:
                 lambda r: progress.update(task, completed=r.examples),
                 database=database,
             )
-    _print_summary(result, target, args.backend, missing, args.database)
+    _print_summary(result, target, args.backend, missing, args.database, configurations)
     from tqbatch.testing.campaign import save_failures
 
     paths = save_failures(result, args.out, backend=args.backend, options=options)
+    verdict = None
     if args.survey:
         _print_survey(result, paths)
+        verdict = _gate.judge(target, impl, result, known, known_files, paths)
+        for line in verdict.report_lines(args.strict_known_failures):
+            console.print(escape(line.strip()))
     elif result.failure:
         from tqbatch.testing.ops import format_ops
 
@@ -216,17 +254,15 @@ def run(args) -> int:
         else:
             console.print("nothing was checked: no example ran")
         code = ExitCode.NOTHING_CHECKED
-    elif args.survey:
-        from tqbatch.testing.campaign import conforms
-
-        code = ExitCode.OK if conforms(result) else ExitCode.DEFECT
+    elif verdict is not None:  # a survey: contract failures not known fail it
+        code = ExitCode.OK if verdict.passes(args.strict_known_failures) else ExitCode.DEFECT
     else:
         code = ExitCode.DEFECT if result.failures else ExitCode.OK
-    step_summary(_markdown(result, target, args.backend, paths, args.database, code))
+    step_summary(_markdown(result, target, args.backend, paths, args.database, code, verdict))
     return code
 
 
-def _print_summary(result, target, backend, missing, database=None) -> None:
+def _print_summary(result, target, backend, missing, database=None, configurations=()) -> None:
     from rich.table import Table
 
     from tqbatch.testing.backend import describe_line
@@ -259,6 +295,7 @@ def _print_summary(result, target, backend, missing, database=None) -> None:
         found = sum(1 for f in result.failures if f.get("replayed"))
         table.add_row("  found while replaying", str(found))
     table.add_row("skipped (unsupported)", ", ".join(missing) or "-")
+    table.add_row("configurations not drawn (unsupported)", ", ".join(configurations) or "-")
     make_console().print(table)
 
 
@@ -286,7 +323,7 @@ def _print_survey(result, paths) -> None:
         make_console().print("every example ended in a failure already listed: the search stopped")
 
 
-def _markdown(result, target, backend, paths, database, code) -> str:
+def _markdown(result, target, backend, paths, database, code, verdict=None) -> str:
     """The run as markdown, for GitHub Actions' job summary."""
     from tqbatch.testing.backend import describe_line
 
@@ -309,6 +346,13 @@ def _markdown(result, target, backend, paths, database, code) -> str:
         f"| seconds | {result.seconds:.0f} |",
         f"| failures | {len(result.failures)} |",
     ]
+    if verdict is not None and verdict.known_failures:
+        j = verdict.judgement
+        lines += [
+            f"| known failures found | {len(j.known)} |",
+            f"| not known (fail the run) | {md_cell(', '.join(verdict.failing))} |",
+            f"| listed, no longer fail | {md_cell(', '.join(j.fixed))} |",
+        ]
     if result.failures:
         lines += [
             "",

@@ -11,6 +11,12 @@ target that does not load; 3 the backend failed its check; 5 nothing was
 checked: no scenario under the paths (an empty directory), or every one was
 skipped. Under GitHub Actions the counts and the diverged scenarios are also
 appended to ``$GITHUB_STEP_SUMMARY``.
+
+Which target each scenario replays against: ``--impl`` where given; else
+the target a saved failure was found on (``found_on.options.impl``, written
+by ``fuzz`` and ``conformance``), so that the failure reproduces where it
+was found, and the command says so; else ``$TQBATCH_IMPL`` or tqbatch's own
+cache. A recorded target that does not load is a usage error (2) naming it.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from tqbatch.exitcodes import ExitCode
 from tqbatch.testing import golden
 from tqbatch.testing.backend import describe_line
 from tqbatch.testing.impl import ImplSpecError, load_impl
-from tqbatch.testing.scenario import ScenarioError, discover, replay
+from tqbatch.testing.scenario import Scenario, ScenarioError, discover, replay
 
 
 def register(subparsers) -> None:
@@ -46,7 +52,11 @@ def register(subparsers) -> None:
         metavar="PATH",
         help="scenario .json or directory (default: the golden scenarios shipped with tqbatch)",
     )
-    add_impl_argument(parser)
+    add_impl_argument(
+        parser,
+        "cache to replay against",
+        default="the target a saved failure was found on, else $TQBATCH_IMPL or tqbatch's own",
+    )
     parser.add_argument(
         "--oracles-only",
         action="store_true",
@@ -62,7 +72,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     try:
-        impl = load_impl(args.impl)
+        explicit = load_impl(args.impl) if args.impl else None
         paths = discover(args.paths or [golden.DIRECTORY])
     except (ImplSpecError, ScenarioError) as err:
         print(f"tqbatch replay: {err}", file=sys.stderr)
@@ -74,11 +84,26 @@ def run(args) -> int:
     print(f"backend: {describe_line(args.backend)}")
     skipped = 0
     diverged = []
+    loaded: dict[str | None, type] = {}  # recorded target (None: none) -> its class
     for path in paths:
+        recorded = None
         try:
-            result = replay(path, impl, use_recording=not args.oracles_only)
+            scenario = Scenario.load(path)
+            impl = explicit
+            if impl is None:
+                recorded = _recorded_target(scenario)
+                if recorded not in loaded:
+                    loaded[recorded] = load_impl(recorded)  # None: $TQBATCH_IMPL or the default
+                    if recorded is not None:
+                        print(f"replaying against {recorded}: the target it was found on")
+                impl = loaded[recorded]
+            result = replay(scenario, impl, use_recording=not args.oracles_only)
         except ScenarioError as err:
             print(f"ERROR {path}: {err}", file=sys.stderr)
+            return ExitCode.USAGE
+        except ImplSpecError as err:
+            where = f" ({path} was found on it; --impl replays it against another)"
+            print(f"tqbatch replay: {err}{where if recorded else ''}", file=sys.stderr)
             return ExitCode.USAGE
         print(result.summary(), flush=True)
         if not result.ok and result.skipped is None:  # diverged: at its first divergence
@@ -102,3 +127,10 @@ def run(args) -> int:
     summary += [f"- {line}" for line in diverged]
     step_summary("\n".join(summary))
     return code
+
+
+def _recorded_target(scenario: Scenario) -> str | None:
+    """The target a saved failure was found on (``module:Class``), or None (a golden scenario)."""
+    options = (scenario.found_on or {}).get("options") or {}
+    target = options.get("impl")
+    return target if isinstance(target, str) and target else None
