@@ -134,8 +134,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--tqbatch-known-failures",
         metavar="FILE",
         default=None,
-        help="failures the cache is known to have (tqbatch.testing.known_failures' format): "
-        "reported as xfail with their reasons; a failure not listed fails",
+        help="failures the cache is known to have (tqbatch.testing.known_failures' format; or "
+        "the name of a list tqbatch ships, e.g. mlx_vlm_0_7_10): reported as xfail with their "
+        "reasons; a failure not listed fails",
     )
     parser.addini(
         "tqbatch_known_failures",
@@ -184,8 +185,9 @@ def _names_conformance(arg: str) -> bool:
     target = arg.split("::", 1)[0]
     if target == CONFORMANCE or target.startswith(CONFORMANCE + "."):
         return True
-    # A path to the module itself (or to the installed package's copy of it).
-    return target.replace(os.sep, "/").endswith("tqbatch/conformance.py")
+    # A path to the package or one of its modules (in a checkout or an install).
+    path = target.replace(os.sep, "/").rstrip("/")
+    return path.endswith("tqbatch/conformance") or "tqbatch/conformance/" in path
 
 
 def _asks_for_harness(args) -> bool:
@@ -273,20 +275,21 @@ def _harness_from_options(config: pytest.Config) -> Harness:
         failures_dir=failures if failures.is_absolute() else invocation / failures,
         invocation_dir=invocation,
     )
-    path = config.getoption("--tqbatch-known-failures")
-    if path:
-        path = Path(path) if Path(path).is_absolute() else invocation / path
-    elif _ini(config, "tqbatch_known_failures"):
+    name, base = config.getoption("--tqbatch-known-failures"), invocation
+    if not name and _ini(config, "tqbatch_known_failures"):
+        name = _ini(config, "tqbatch_known_failures")
         base = config.inipath.parent if config.inipath else config.rootpath
-        path = base / _ini(config, "tqbatch_known_failures")
-    if path:
-        from tqbatch.testing.known_failures import KnownFailures, KnownFailuresError
+    if name:
+        from tqbatch.testing.known_failures import KnownFailures, KnownFailuresError, shipped
 
+        path = base / name
+        if not path.is_file() and shipped(name) is not None:
+            path = shipped(name)  # the name of a list tqbatch ships, e.g. mlx_vlm_0_7_10
         try:
             state.known = KnownFailures.load(path)
         except KnownFailuresError as exc:
             raise pytest.UsageError(f"tqbatch: {exc}") from None
-        state.known_path = Path(path)
+        state.known_path = path
     return state
 
 
@@ -436,9 +439,13 @@ def pytest_report_header(config: pytest.Config):
     state = config.stash.get(_HARNESS, None)
     if state is None or not state.backend:
         return None
-    lines = [f"tqbatch backend: {backend.describe_line(state.backend)}"]
-    if state.impl is not None or state.impl_spec:
-        lines.append(f"tqbatch target: {state.impl_spec or 'tqbatch.BatchTurboQuantKVCache'}")
+    from tqbatch.testing.impl import DEFAULT_IMPL, ENV_VAR
+
+    target = state.impl_spec or os.environ.get(ENV_VAR) or DEFAULT_IMPL
+    lines = [
+        f"tqbatch backend: {backend.describe_line(state.backend)}",
+        f"tqbatch target: {target}",
+    ]
     if state.known_path:
         lines.append(f"tqbatch known failures: {state.known_path} ({len(state.listed)} listed)")
     return lines
