@@ -21,6 +21,7 @@ class _Live:
         self.capture = config.pluginmanager.get_plugin("capturemanager")
         self.start = time.monotonic()
         self.shown = 0
+        self.started = False
 
     def __call__(self, result) -> None:
         new = result.failures[self.shown :]
@@ -29,7 +30,9 @@ class _Live:
             return
         seconds = time.monotonic() - self.start
         with self.capture.global_and_fixture_disabled():
-            self.reporter.write("\n")  # off the line of progress characters
+            if not self.started:  # off the line of progress characters
+                self.reporter.write("\n")
+                self.started = True
             for f in new:
                 self.reporter.write_line(
                     f"tqbatch survey: {f.get('identity') or '(harness)'} [{f['level']}] found, "
