@@ -86,6 +86,8 @@ def pytest_configure(config):
         # seed means asking for that seed's examples, so derandomize is dropped.
         settings.register_profile("seeded", settings(settings.default, derandomize=False))
         settings.load_profile("seeded")
+    if not config.pluginmanager.has_plugin(plugin.NAME):
+        return  # turned off (-p no:tqbatch): no backend check either
     # The plugin checks the backend at the session's start (exit code 3 if it
     # fails) and reports it in the header.
     plugin.activate(
