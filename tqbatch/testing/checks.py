@@ -109,7 +109,7 @@ CHECKS: dict[str, Check] = {
             "dequantize",
             CONTRACT,
             False,
-            "dequantize() returns float (keys, values) of the batch's rows, heads and head_dim",
+            "dequantize() returns 4-D float (keys, values), one row per batch row",
         ),
         Check("content", CONTRACT, True, "each row's K/V equal its per-request reference"),
         Check("extract_length", CONTRACT, False, "extract(i) holds the request's token count"),
