@@ -179,9 +179,15 @@ def test_two_bugs_of_one_op_each_get_their_own_repro(tmp_path):
 
 
 def test_pending_padding_as_batchkvcache_conforms_with_policy_differences():
-    result = _survey(PendingPaddingAsBatchKVCache, examples=6)
+    # Whether a short survey reaches an extract or a round trip while right
+    # padding is pending depends on what Hypothesis draws (its pool of source
+    # constants differs between processes), so this asserts only what holds
+    # for any draw: no contract failure, and every difference one of the two
+    # policies. test_checks.py drives both situations explicitly.
+    result = _survey(PendingPaddingAsBatchKVCache, examples=20)
     assert conforms(result), [(f["identity"], f["level"]) for f in result.failures]
-    assert {f["identity"] for f in result.failures} == {
+    assert {f["identity"] for f in result.failures} <= {
         "extract_pending@extract",
         "roundtrip_pending@roundtrip",
     }
+    assert all(f["level"] == "policy" for f in result.failures)
