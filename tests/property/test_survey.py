@@ -41,17 +41,17 @@ class TypeErrorPolicy(tqbatch.BatchTurboQuantKVCache):
 
 
 class RoundtripFastPathBugs(RoundtripAliasesDonor):
-    """Two bugs of one op, always together: for a padded batch whose buffers are exactly full
-    and whose rows all hold tokens, ``state`` hands out the live buffers (a restored copy shares
-    them: the donor's next write lands in it) and counts the left padding as tokens (the
-    restored offsets are the written end)."""
+    """Two bugs of one op, always together: where every row holds a token, ``state`` cuts the
+    buffers to the written end and hands them out (a restored copy shares them: the donor's
+    next write lands in it) and counts each row's first token as padding (the restored offsets
+    are one short)."""
 
     @property
     def state(self):
-        full = self.keys is not None and _packed.length(self.keys) == self._end
-        if full and max(self.left_padding.tolist()) > 0 and min(self.offset.tolist()) > 0:
-            rows = self.batch_size
-            return self.keys, self.values, [self._end] * rows, [0] * rows
+        if self.keys is not None and min(self.offset.tolist()) > 0:
+            self.keys = _packed.token_range(self.keys, 0, self._end)
+            self.values = _packed.token_range(self.values, 0, self._end)
+            return self.keys, self.values, self.offset - 1, self.left_padding + 1
         return tqbatch.BatchTurboQuantKVCache.state.fget(self)
 
     @state.setter
