@@ -145,7 +145,7 @@ def perf(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS)
 def models(session: nox.Session) -> None:
-    """The model-family matrix with mlx-vlm's class too: the README's table, as markdown."""
+    """The model-family matrix with mlx-vlm's class too: docs/model-families.md's table, as markdown."""
     _install_test(session)
     session.run(
         "tqbatch",
@@ -212,7 +212,7 @@ def gpu(session: nox.Session) -> None:
     and one summary per precision go to ``gpu-run/`` (or the directory given
     after ``--``). Fails if a step failed at either precision (at TF32 the
     tests that must resolve finer than its rounding skip themselves, saying
-    why: the README's "On a GPU").
+    why: docs/gpu.md).
     """
     if not sys.platform.startswith("linux"):
         session.error("MLX's CUDA build is for Linux")

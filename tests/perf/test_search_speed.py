@@ -10,7 +10,7 @@ structural: the mutant is found, by its own check.
 
 The default run hunts a few mutants; ``TQBATCH_PERF=full`` (nox ``perf``)
 hunts the whole catalogue. ``python -m tqbatch.testing.selftest --markdown``
-prints the README's table.
+prints docs/search-speed.md's table.
 """
 
 from __future__ import annotations

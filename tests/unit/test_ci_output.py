@@ -161,7 +161,7 @@ def test_models_summary_is_its_markdown_table(summary):
     assert text.startswith("### tqbatch models\n\nexit 5: nothing was checked")
     assert "| family | scenario | tqbatch | BatchKVCache |" in text
     why = dict(families.SPECS["gemma4"].not_applicable)["speculative"]
-    brief = f"N/A: {why}"[:69] + "…"  # Cell.brief(): the README's table keeps cells short
+    brief = f"N/A: {why}"[:69] + "…"  # Cell.brief(): the model-family table keeps cells short
     assert f"| gemma4 | speculative | {brief} | {brief} |" in text
 
 

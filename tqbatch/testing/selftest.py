@@ -8,7 +8,7 @@ every run) and counts the mutant as found only when the check it names
 ``shrink=True`` the failure is also shrunk, as ``tqbatch fuzz`` reports it.
 
 ``python -m tqbatch.testing.selftest [--markdown]`` hunts every mutant and
-prints the table the README carries (time to the first report, examples,
+prints the table docs/search-speed.md carries (time to the first report, examples,
 shrink time and shrunk length). Timings are measurements, reported by the
 perf suite (``tests/perf/test_search_speed.py``), never asserted.
 """
@@ -103,7 +103,7 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tqbatch.testing.selftest")
     parser.add_argument("--profile", default="ci")
-    parser.add_argument("--markdown", action="store_true", help="print the README's table")
+    parser.add_argument("--markdown", action="store_true", help="print docs/search-speed.md's table")
     parser.add_argument("mutants", nargs="*", help="default: the whole catalogue")
     args = parser.parse_args(argv)
     names = args.mutants or sorted(MUTANTS)
