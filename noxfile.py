@@ -145,7 +145,7 @@ def perf(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS)
 def models(session: nox.Session) -> None:
-    """The model-family matrix with mlx-vlm's class too: docs/model-families.md's table, as markdown."""
+    """The model-family matrix with mlx-vlm's class too: docs/model-families.md's table."""
     _install_test(session)
     session.run(
         "tqbatch",

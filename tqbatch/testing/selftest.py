@@ -103,7 +103,9 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tqbatch.testing.selftest")
     parser.add_argument("--profile", default="ci")
-    parser.add_argument("--markdown", action="store_true", help="print docs/search-speed.md's table")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the table of docs/search-speed.md"
+    )
     parser.add_argument("mutants", nargs="*", help="default: the whole catalogue")
     args = parser.parse_args(argv)
     names = args.mutants or sorted(MUTANTS)
