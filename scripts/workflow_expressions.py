@@ -229,7 +229,8 @@ def evaluate(expression: str, context: dict, status: dict | None = None):
     return _Parser(expression, context, status or DEFAULT_STATUS).parse()
 
 
-_INTERPOLATION = re.compile(r"\$\{\{(.*?)\}\}", re.DOTALL)
+# An expression ends at the first "}}": "${{ a }}${{ b }}" is two of them.
+_INTERPOLATION = re.compile(r"\$\{\{((?:(?!\}\}).)*)\}\}", re.DOTALL)
 
 
 def interpolate(value, context: dict, status: dict | None = None):

@@ -64,6 +64,8 @@ def test_expression_errors_are_typed(bad):
 def test_interpolation_keeps_a_whole_expressions_type():
     assert interpolate("${{ matrix.shard }}", CONTEXT) == 0
     assert interpolate("py${{ matrix.python }}-${{ matrix.shard }}", CONTEXT) == "py3.12-0"
+    # Two expressions back to back are two values, joined (the nightly's FUZZ_SEED).
+    assert interpolate("${{ matrix.python }}${{ matrix.shard }}", CONTEXT) == "3.120"
     assert interpolate({"a": ["${{ matrix.os }}"]}, CONTEXT) == {"a": ["ubuntu-24.04"]}
 
 
