@@ -9,9 +9,10 @@ default shell on Linux) with the workflow's, job's and step's ``env``,
 ``${{ }}`` expressions substituted, ``if:`` conditions evaluated (``success()``,
 ``failure()``, ``always()``), ``continue-on-error`` and the job's
 ``timeout-minutes`` honoured, and the files GitHub gives a step
-(``GITHUB_ENV``, ``GITHUB_PATH``, ``GITHUB_OUTPUT``, ``GITHUB_STEP_SUMMARY``)
-read back between steps. The few actions the project's workflows use are done
-locally:
+(``GITHUB_ENV``, ``GITHUB_PATH``, ``GITHUB_OUTPUT``, ``GITHUB_STEP_SUMMARY``):
+``GITHUB_ENV`` and ``GITHUB_PATH`` are read back between steps; outputs are
+not (there is no ``steps`` context: the project's workflows use none). The
+few actions the project's workflows use are done locally:
 
 - ``actions/checkout``: the working tree is the checkout (run from a fresh clone);
 - ``actions/setup-python``: a virtual environment of the ``python{version}`` found
@@ -59,7 +60,6 @@ __all__ = [
     "load_workflow",
     "matrix_cells",
     "nox_commands",
-    "run_job",
 ]
 
 # ---------------------------------------------------------------- workflows
@@ -98,7 +98,7 @@ def _cell(job: dict, wanted: dict[str, str]) -> dict:
     chosen = [c for c in cells if all(to_string(c.get(k)) == v for k, v in wanted.items())]
     if len(chosen) != 1:
         listing = "; ".join(json.dumps(c) for c in cells)
-        raise SystemExit(
+        raise ValueError(
             f"run_workflow: --matrix {wanted} picks {len(chosen)} of the job's cells "
             f"(it has: {listing})"
         )
@@ -443,11 +443,6 @@ def _read_env_file(path: Path) -> dict[str, str]:
     return values
 
 
-def run_job(workflow_path, job_name: str, argv: list[str] | None = None) -> int:
-    """Run ``job_name`` of the workflow here; ``argv`` as on the command line after them."""
-    return main([str(workflow_path), job_name, *(argv or [])])
-
-
 def _pair(text: str) -> tuple[str, str]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
@@ -481,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cell = _cell(workflow["jobs"][args.job], dict(args.matrix))
-    except SystemExit as exc:
+    except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     print(f"== {args.workflow} job {args.job} {json.dumps(cell)} (event {args.event})")
