@@ -18,6 +18,7 @@ from tqbatch.testing.known_failures import (
     Judgement,
     KnownFailures,
     KnownFailuresError,
+    failure_key,
     format_known_failures,
     shipped,
 )
@@ -152,11 +153,6 @@ class Verdict:
                 + ", ".join(self.unsupported_configurations)
             )
         return lines
-
-
-def failure_key(failure: dict) -> str:
-    """A failure's identity, or its message where the harness itself failed."""
-    return failure.get("identity") or failure.get("message", "")
 
 
 def judge(name, impl, result, known: KnownFailures, files=(), paths=()) -> Verdict:

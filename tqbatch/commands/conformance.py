@@ -38,6 +38,7 @@ from tqbatch.commands import console as make_console
 from tqbatch.commands import step_summary
 from tqbatch.exitcodes import ExitCode
 from tqbatch.testing.impl import ALIASES, resolve_alias
+from tqbatch.testing.known_failures import failure_key
 
 
 def register(subparsers) -> None:
@@ -259,8 +260,8 @@ def _markdown(verdicts, args) -> str:
         "|---|---|---|---|",
     ]
     for v in verdicts:
-        contract = [_key(f) for f in v.contract]
-        policy = [_key(f) for f in v.policy]
+        contract = [failure_key(f) for f in v.contract]
+        policy = [failure_key(f) for f in v.policy]
         lines.append(
             f"| `{_short(v.name)}` | {'yes' if v.conforms else 'no'} "
             f"| {_cell(contract)} | {_cell(policy)} |"
@@ -280,10 +281,6 @@ def _markdown(verdicts, args) -> str:
     return "\n".join(lines)
 
 
-def _key(failure: dict) -> str:
-    return failure.get("identity") or failure.get("message", "")
-
-
 def _short(name: str) -> str:
     return name.rsplit(":", 1)[-1] if ":" in name else name
 
@@ -293,8 +290,8 @@ def _cell(identities: list[str]) -> str:
 
 
 def _line(verdict, strict: bool) -> str:
-    contract = [_key(f) for f in verdict.contract]
-    policy = [_key(f) for f in verdict.policy]
+    contract = [failure_key(f) for f in verdict.contract]
+    policy = [failure_key(f) for f in verdict.policy]
     verdict_text = "conforms" if verdict.conforms else "does not conform"
     text = (
         f"{verdict.name}: {verdict_text} ({verdict.examples} examples); "

@@ -58,6 +58,7 @@ from hypothesis.stateful import get_state_machine_test
 
 from tqbatch.testing.checks import CHECKS, HARNESS
 from tqbatch.testing.impl import impl_spec
+from tqbatch.testing.known_failures import failure_key
 from tqbatch.testing.minimize import minimize
 from tqbatch.testing.profiles import register_profiles
 from tqbatch.testing.stateful import UnsupportedOpsWarning, machine_for
@@ -188,11 +189,11 @@ class CampaignResult:
             self.op_counts[name] = self.op_counts.get(name, 0) + n
         for pair, n in other.pair_counts.items():
             self.pair_counts[pair] = self.pair_counts.get(pair, 0) + n
-        by_identity = {_key(f): i for i, f in enumerate(self.failures)}
+        by_identity = {failure_key(f): i for i, f in enumerate(self.failures)}
         for failure in other.failures:
-            i = by_identity.get(_key(failure))
+            i = by_identity.get(failure_key(failure))
             if i is None:
-                by_identity[_key(failure)] = len(self.failures)
+                by_identity[failure_key(failure)] = len(self.failures)
                 self.failures.append(failure)
             elif len(failure["ops"]) < len(self.failures[i]["ops"]):
                 self.failures[i] = failure
@@ -214,10 +215,6 @@ class CampaignResult:
 def conforms(result: CampaignResult) -> bool:
     """No failure of the contract (or of the harness); policy differences allowed."""
     return all(f.get("level") == "policy" for f in result.failures)
-
-
-def _key(failure: dict) -> str:
-    return failure.get("identity") or failure.get("message", "")
 
 
 class _Counter:
@@ -428,12 +425,12 @@ def run_campaign(
                 for failure in found:
                     _minimize(impl, failure, contract_checks)
                 for failure in found:
-                    failure["replayed"] = _key(failure) in replayed_failures
-                    known[_key(failure)] = failure
+                    failure["replayed"] = failure_key(failure) in replayed_failures
+                    known[failure_key(failure)] = failure
                     result.failures.append(failure)
                 for failure, ops in zip(found, shrunk) if survey else ():
                     for other in _also_found(impl, failure, ops, known, contract_checks):
-                        known[_key(other)] = other
+                        known[failure_key(other)] = other
                         result.failures.append(other)
                 Counting.avoid_cases = frozenset(_diverging_cases(known))
                 crashed = any(not f["identity"] for f in found)

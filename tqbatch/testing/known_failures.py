@@ -38,9 +38,17 @@ __all__ = [
     "Judgement",
     "KnownFailures",
     "KnownFailuresError",
+    "failure_key",
     "format_known_failures",
     "shipped",
 ]
+
+
+def failure_key(failure: dict) -> str:
+    """What a campaign's failure is listed and told apart by: its identity (check@op),
+    or its message where the harness itself failed and there is no identity."""
+    return failure.get("identity") or failure.get("message", "")
+
 
 # The lists shipped as package data (pyproject's package-data).
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "known_failures"
