@@ -29,9 +29,10 @@ from mlx_vlm.models import base as _vlm_base
 from mlx_vlm.turboquant import BatchTurboQuantKVCache as _VlmBatchTurboQuantKVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.cache import BatchableTurboQuantKVCache
+from tqbatch.cache import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
 
 __all__ = [
+    "batchable_class",
     "disable",
     "enable",
     "install_make_cache",
@@ -139,6 +140,30 @@ def _own_caches(model, max_kv_size):
     return [_lm_cache.KVCache() for _ in range(n)]
 
 
+_BATCHABLE: dict[type, type] = {BatchTurboQuantKVCache: BatchableTurboQuantKVCache}
+
+
+def batchable_class(batch_class: type) -> type:
+    """The single-request cache class whose ``merge`` builds a ``batch_class``.
+
+    mlx-lm's ``BatchGenerator`` picks the batch class by calling ``merge`` on
+    the first request's cache, so running another batch class (a subclass of
+    tqbatch's, a test double) needs single caches that merge into it. For
+    tqbatch's own class that is ``BatchableTurboQuantKVCache``; any other gets
+    one subclass of it, made once.
+    """
+    if batch_class not in _BATCHABLE:
+        _BATCHABLE[batch_class] = type(
+            f"Batchable{batch_class.__name__}",
+            (BatchableTurboQuantKVCache,),
+            {
+                "merge": classmethod(lambda cls, caches: batch_class.merge(caches)),
+                "__doc__": f"A BatchableTurboQuantKVCache merging into {batch_class.__name__}.",
+            },
+        )
+    return _BATCHABLE[batch_class]
+
+
 def make_prompt_cache(
     model,
     *,
@@ -148,6 +173,7 @@ def make_prompt_cache(
     seed: int = 0,
     dense_layers: Sequence[int] = (),
     max_kv_size: int | None = None,
+    batch_class: type = BatchTurboQuantKVCache,
 ) -> list:
     """One request's per-layer caches for an mlx-lm model, full-attention layers TurboQuant.
 
@@ -161,11 +187,14 @@ def make_prompt_cache(
     into a ``tqbatch.BatchTurboQuantKVCache``; attention needs ``enable()``.
     Models that read the cache's keys themselves (multi-head latent attention,
     e.g. ``deepseek_v3``) cannot attend over TurboQuant's packed state.
+    ``batch_class``: the batch cache the TurboQuant layers merge into
+    (``batchable_class``); tqbatch's by default.
     """
     dense = set(dense_layers)
+    single = batchable_class(batch_class)
     caches = _own_caches(model, max_kv_size)
     return [
-        BatchableTurboQuantKVCache(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
+        single(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
         if type(c) is _lm_cache.KVCache and i not in dense
         else c
         for i, c in enumerate(caches)

@@ -23,32 +23,38 @@ from tqbatch.exitcodes import ExitCode
 # Statuses that give no verdict on the target: a run where every cell of the
 # target has one of these checked nothing.
 NO_VERDICT = ("N/A", "NONDET")
+# --families names that stand for every family of one library.
+GROUPS = ("mlx-vlm", "mlx-lm")
 
 
 def register(subparsers) -> None:
-    from tqbatch.testing import families, matrix
+    from tqbatch.testing import families, lm_families, matrix
 
     parser = subparsers.add_parser(
         "models",
-        help="the cache as a drop-in inside mlx-vlm model families, against BatchKVCache",
+        help="the cache as a drop-in inside mlx-vlm and mlx-lm model families, against "
+        "BatchKVCache",
         description=__doc__.split("\n\n")[1],
     )
     add_impl_argument(parser, "batch cache under test")
     parser.add_argument(
         "--families",
         nargs="+",
-        choices=families.FAMILIES,
-        default=list(families.FAMILIES),
+        choices=matrix.ALL_FAMILIES + tuple(GROUPS),
+        default=["mlx-vlm"],
         metavar="FAMILY",
-        help=f"families to run (default: all of {', '.join(families.FAMILIES)})",
+        help=f"families to run: mlx-vlm's {', '.join(families.FAMILIES)} (all of them: "
+        f"mlx-vlm, the default); mlx-lm's own model classes {', '.join(lm_families.FAMILIES)} "
+        "(all of them: mlx-lm)",
     )
     parser.add_argument(
         "--scenarios",
         nargs="+",
-        choices=matrix.SCENARIOS,
-        default=list(matrix.SCENARIOS),
+        choices=matrix.ALL_SCENARIOS,
+        default=list(matrix.ALL_SCENARIOS),
         metavar="SCENARIO",
-        help=f"scenarios to run (default: all of {', '.join(matrix.SCENARIOS)})",
+        help=f"scenarios to run (default: all of {', '.join(matrix.ALL_SCENARIOS)}; "
+        "batch_generator, mlx-lm's BatchGenerator, exists for the mlx-lm: families only)",
     )
     parser.add_argument(
         "--compare",
@@ -62,6 +68,15 @@ def register(subparsers) -> None:
         "--markdown", action="store_true", help="print the matrix as a markdown table"
     )
     parser.set_defaults(func=run)
+
+
+def _families(names) -> list[str]:
+    """``names`` with the groups ``mlx-vlm`` and ``mlx-lm`` expanded, each family once."""
+    from tqbatch.testing import families, lm_families
+
+    groups = {"mlx-vlm": families.FAMILIES, "mlx-lm": lm_families.FAMILIES}
+    expanded = [f for name in names for f in groups.get(name, (name,))]
+    return list(dict.fromkeys(expanded))
 
 
 def _targets(args):
@@ -101,8 +116,11 @@ def run(args: argparse.Namespace) -> int:
     from tqbatch.testing.backend import describe_line
 
     console = make_console(stderr=True)
+    args.families = _families(args.families)
     targets = _targets(args)  # a bad target: ImplSpecError, reported by tqbatch.cli
-    total = len(args.families) * len(args.scenarios) * len(targets)
+    total = len(targets) * sum(
+        len(set(args.scenarios) & set(matrix.scenarios_for(f))) for f in args.families
+    )
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -126,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             table.add_column(target.name, overflow="fold")
         by_key = {(c.family, c.scenario, c.target): c for c in cells}
         for family in args.families:
-            for scenario in args.scenarios:
+            for scenario in [s for s in args.scenarios if s in matrix.scenarios_for(family)]:
                 cells_here = [by_key[family, scenario, t.name] for t in targets]
                 table.add_row(family, scenario, *(c.brief(40) for c in cells_here))
         make_console().print(table)

@@ -42,6 +42,11 @@ caches of the same kinds), and two verdicts are taken:
 
 Every cell is run for ``BatchKVCache`` too (full precision, mlx-vlm's rule
 with quantization off): where that fails or raises, the limitation is mlx-vlm's.
+
+The ``mlx-lm:`` families (``tqbatch.testing.lm_families``) are mlx-lm's own
+model classes, run the same way under ``tqbatch.mlx_lm.routed()`` with
+mlx-lm's cache rule, plus one more scenario, ``batch_generator``: mlx-lm's
+real ``BatchGenerator`` under the same oracle (``tqbatch.testing.lm_generator``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import importlib
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -64,13 +70,16 @@ from mlx_vlm.speculative.common import verify_forward
 from mlx_vlm.turboquant import DEFAULT_TURBOQUANT_SEED, TurboQuantKVCache
 from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatchTurboQuantKVCache
 
-from tqbatch.testing import families
+from tqbatch import mlx_lm as tq_mlx_lm
+from tqbatch.testing import families, lm_families
 from tqbatch.testing.kv_ledger import AttentionLog, KVLedger
 from tqbatch.testing.model import causal_mask
 from tqbatch.testing.reference import TurboReferences, to_numpy
 from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, excess_ratios
 
 __all__ = [
+    "ALL_FAMILIES",
+    "ALL_SCENARIOS",
     "BASELINE",
     "BITS",
     "MODEL_GAP_LIMIT",
@@ -80,6 +89,7 @@ __all__ = [
     "run_cell",
     "regressions",
     "run_matrix",
+    "scenarios_for",
     "target_for",
 ]
 
@@ -92,6 +102,10 @@ SCENARIOS = (
     "speculative_capture",
     "uniform_rollback",
 )
+# mlx-lm's own serving loop, for mlx-lm's own model classes only.
+LM_SCENARIOS = SCENARIOS + ("batch_generator",)
+ALL_SCENARIOS = LM_SCENARIOS
+ALL_FAMILIES = families.FAMILIES + lm_families.FAMILIES
 # A gross-error bound on |logits - logits alone|, for what the oracle cannot see
 # (layers the target does not hold). Forward noise that flips TurboQuant codes
 # moved logits by up to 3e-1 with a correct cache (tqbatch.workbench.e2e's docstring, K/V
@@ -128,7 +142,9 @@ class Target:
     def quantized(self) -> bool:
         return self.cls is not None
 
-    def batch_caches(self, model, left_padding: Sequence[int]) -> list:
+    def batch_caches(self, model, left_padding: Sequence[int], family: str = "") -> list:
+        if lm_families.is_lm(family):
+            return lm_families.batch_caches(model, left_padding, self.cls, BITS, SEED)
         if self.cls is None:
             return families.make_batch_cache(model, list(left_padding), kv_bits=None)
         caches = families.make_batch_cache(model, list(left_padding), kv_bits=BITS)
@@ -139,8 +155,11 @@ class Target:
             for c in caches
         ]
 
-    def alone_caches(self, model, layers: Sequence[int]) -> list:
-        """Single-request caches: mlx-vlm's, TurboQuant on ``layers`` for a quantized target."""
+    def alone_caches(self, model, layers: Sequence[int], family: str = "") -> list:
+        """Single-request caches: mlx-vlm's (mlx-lm's for its families), TurboQuant on
+        ``layers`` for a quantized target."""
+        if lm_families.is_lm(family):
+            return lm_families.alone_caches(model, layers, self.quantized, BITS, SEED)
         caches = families.make_single_cache(model)
         if self.quantized:
             for i in layers:
@@ -191,8 +210,9 @@ def _logits(model, tokens: Sequence[Sequence[int]], caches) -> mx.array:
 
 def _alone_run(model, family: str, target: Target, layers, uid, prompt, steps) -> _Request:
     """Request ``uid`` run alone: greedy for ``steps`` tokens, on single-request caches."""
-    late = target.quantized and families.SPECS[family].prefills_rows_in_full_precision
-    caches = (Target("full precision", None) if late else target).alone_caches(model, layers)
+    late = target.quantized and spec(family).prefills_rows_in_full_precision
+    alone = Target("full precision", None) if late else target
+    caches = alone.alone_caches(model, layers, family)
     logits = _logits(model, [prompt], caches)[0, -1]
     if late:  # quantize the prompt's tokens after the prefill, as the family's batch does
         for i in layers:
@@ -429,6 +449,7 @@ class _Server:
 
     def __init__(self, model, family: str, target: Target, layers, oracle: Oracle):
         self.model, self.target, self.layers = model, target, tuple(layers)
+        self.family = family
         self.oracle = oracle
         self.modules = _attention_modules(family)
         target_class = (target.cls,) if target.cls else ()
@@ -538,7 +559,7 @@ class _Server:
     def prefill(self, requests: Sequence[_Request]) -> _Batch:
         longest = max(len(r.prompt) for r in requests)
         padding = [longest - len(r.prompt) for r in requests]
-        batch = _Batch(list(requests), self.target.batch_caches(self.model, padding))
+        batch = _Batch(list(requests), self.target.batch_caches(self.model, padding, self.family))
         tokens = [[0] * p + r.prompt for p, r in zip(padding, requests)]
         real = [range(p, longest) for p in padding]
         logits = self._forward(batch, tokens, real, "prefill")
@@ -630,7 +651,7 @@ class _Server:
 def _attention_modules(family: str) -> list:
     """The modules whose ``scaled_dot_product_attention`` the family's attention calls:
     its language module and, where it has one, its speculative verifier."""
-    name = families.SPECS[family].module
+    name = spec(family).module
     modules = [importlib.import_module(name)]
     verifier = name.rsplit(".", 1)[0] + ".speculative_verifier"
     try:
@@ -742,10 +763,27 @@ class Cell:
 _MODELS: dict[str, object] = {}
 
 
+def spec(family: str):
+    """The family's description: ``families.SPECS`` or ``lm_families.SPECS``."""
+    return (lm_families.SPECS if lm_families.is_lm(family) else families.SPECS)[family]
+
+
+def scenarios_for(family: str) -> tuple[str, ...]:
+    """The scenarios a family's cells exist for: mlx-lm's loop only for mlx-lm's models."""
+    return LM_SCENARIOS if lm_families.is_lm(family) else SCENARIOS
+
+
 def _model(family: str):
     if family not in _MODELS:
-        _MODELS[family] = families.build(family)
+        build = lm_families.build if lm_families.is_lm(family) else families.build
+        _MODELS[family] = build(family)
     return _MODELS[family]
+
+
+def _quantized_layers(family: str, model) -> list[int]:
+    if lm_families.is_lm(family):
+        return lm_families.quantized_layers(model)
+    return families.quantized_layers(model)
 
 
 def run_cell(family: str, scenario: str, target: Target) -> Cell:
@@ -758,7 +796,9 @@ def run_cell(family: str, scenario: str, target: Target) -> Cell:
     six identical runs, with mlx-lm's own ``BatchKVCache``). Such a cell is
     "NONDET", with both gaps, instead of "FAIL".
     """
-    why = dict(families.SPECS[family].not_applicable).get(scenario)
+    why = dict(spec(family).not_applicable).get(scenario)
+    if scenario not in scenarios_for(family):
+        why = "mlx-lm's BatchGenerator runs mlx-lm's model classes, not mlx-vlm's"
     if why is not None:
         return Cell(family, scenario, target.name, "N/A", why)
     cell = _run_cell_once(family, scenario, target)
@@ -782,15 +822,23 @@ def _gap_text(gap: float | None) -> str:
 def _run_cell_once(family: str, scenario: str, target: Target) -> Cell:
     start = time.perf_counter()
     model = _model(family)
-    layers = families.quantized_layers(model)
+    layers = _quantized_layers(family, model)
     oracle = Oracle(target, layers)
     requests: dict[str, _Request] = {}
+    # mlx-lm's attention hands TurboQuant caches to mlx-vlm's only under the route.
+    route = tq_mlx_lm.routed() if lm_families.is_lm(family) else nullcontext()
     try:
-        for uid in PROMPTS:
-            prompt = _prompt(uid, families.vocab_size(model))
-            requests[uid] = _alone_run(model, family, target, layers, uid, prompt, STEPS)
-        server = _Server(model, family, target, layers, oracle)
-        _SCENARIO_RUNS[scenario](server, requests)
+        with route:
+            for uid in PROMPTS:
+                prompt = _prompt(uid, families.vocab_size(model))
+                requests[uid] = _alone_run(model, family, target, layers, uid, prompt, STEPS)
+            server = _Server(model, family, target, layers, oracle)
+            if scenario == "batch_generator":
+                from tqbatch.testing import lm_generator
+
+                lm_generator.run(server, requests)
+            else:
+                _SCENARIO_RUNS[scenario](server, requests)
     except CacheCheck as exc:
         return Cell(
             family,
@@ -805,7 +853,10 @@ def _run_cell_once(family: str, scenario: str, target: Target) -> Cell:
         )
     except Exception as exc:  # the model's or the cache's own code raised
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        detail = f"{type(exc).__name__}: {exc} ({where.filename.rsplit('/', 2)[-1]}:{where.lineno})"
+        # The first line only: some messages (nanobind's argument errors) list overloads.
+        message = (str(exc).splitlines() or [""])[0]
+        place = f"{where.filename.rsplit('/', 2)[-1]}:{where.lineno}"
+        detail = f"{type(exc).__name__}: {message} ({place})"
         return Cell(
             family,
             scenario,
@@ -848,7 +899,7 @@ def run_matrix(
 ) -> list[Cell]:
     cells = []
     for family in family_names:
-        for scenario in scenarios:
+        for scenario in [s for s in scenarios if s in scenarios_for(family)]:
             for target in targets:
                 cell = run_cell(family, scenario, target)
                 cells.append(cell)

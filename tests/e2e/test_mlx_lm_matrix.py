@@ -1,0 +1,108 @@
+"""The model-family matrix on mlx-lm's own model classes (``mlx-lm:`` families).
+
+Each cell runs with tqbatch and with mlx-lm's ``BatchKVCache`` under
+``tqbatch.mlx_lm.routed()``, caches by mlx-lm's rule; tqbatch must pass
+wherever ``BatchKVCache`` does, and docs/model-families.md's mlx-lm table must
+say what the run finds. Purpose-built broken caches fail a cell, through
+the matrix's own server and through mlx-lm's ``BatchGenerator``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from mlx_lm.models import cache as lm_cache
+
+import tqbatch.mlx_lm as tq_mlx_lm
+from tqbatch.commands.models import _families
+from tqbatch.testing import families, lm_families, matrix
+from tqbatch.testing.matrix import BASELINE
+from tqbatch.testing.mutants import MUTANTS
+
+MATRIX_DOC = Path(__file__).resolve().parents[2] / "docs" / "model-families.md"
+CELLS = [(f, s) for f in lm_families.FAMILIES for s in matrix.LM_SCENARIOS]
+
+
+def _doc_matrix() -> dict[tuple[str, str], dict[str, str]]:
+    """The docs' mlx-lm matrix: (family, scenario) -> {column: status word}."""
+    text = MATRIX_DOC.read_text()
+    start, end = "<!-- models-mlx-lm:start -->", "<!-- models-mlx-lm:end -->"
+    block = text[text.index(start) : text.index(end)]
+    lines = [line for line in block.splitlines() if line.startswith("|")]
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    table = {}
+    for line in lines[2:]:
+        values = [v.strip() for v in line.strip("|").split("|")]
+        table[values[0], values[1]] = {
+            column: re.match(r"PASS|FAIL|ERROR|N/A", value).group(0)
+            for column, value in zip(header[2:], values[2:])
+        }
+    return table
+
+
+@pytest.mark.parametrize(("family", "scenario"), CELLS, ids=[f"{f}-{s}" for f, s in CELLS])
+def test_mlx_lm_cell_passes_where_batchkvcache_passes(family, scenario):
+    baseline = matrix.run_cell(family, scenario, matrix.target_for(BASELINE))
+    cell = matrix.run_cell(family, scenario, matrix.target_for("tqbatch"))
+    if baseline.status == "PASS":
+        assert cell.status == "PASS", cell.short()
+    assert cell.status == baseline.status, (cell.short(), baseline.short())
+    doc = _doc_matrix()[family, scenario]
+    assert (doc["tqbatch"], doc[BASELINE]) == (cell.status, baseline.status)
+    assert not tq_mlx_lm.is_enabled()  # the cell's route is undone
+
+
+def test_doc_matrix_covers_every_mlx_lm_cell():
+    assert sorted(_doc_matrix()) == sorted(CELLS)
+
+
+# ------------------------------------------------------------ the check can fail
+
+
+@pytest.mark.parametrize(
+    ("mutant", "scenario", "pattern"),
+    [
+        # A mask that hides the left-padded rows' own tokens: attention is wrong
+        # from the first forward on, in the matrix's server and in BatchGenerator's.
+        ("HandWrittenMaskHidesLeftPadded", "prefill_decode", r"attention output differs"),
+        ("HandWrittenMaskHidesLeftPadded", "batch_generator", r"attention output differs"),
+        # An extract one token short: the cache BatchGenerator hands back is checked.
+        (
+            "ExtractDropsLastToken",
+            "batch_generator",
+            r"cache A finished with: keys \(H, T, D\) \(2, 13, 32\)",
+        ),
+        ("ExtractDropsLastToken", "continuous", r"extract of A: keys"),
+    ],
+)
+def test_mlx_lm_cell_catches_a_broken_cache(mutant, scenario, pattern):
+    cell = matrix.run_cell("mlx-lm:llama", scenario, matrix.Target(mutant, MUTANTS[mutant]))
+    assert cell.status == "FAIL", cell.short()
+    assert re.search(pattern, cell.detail), cell.detail
+
+
+def test_factory_merges_into_the_batch_class_it_is_given():
+    """BatchGenerator batches whatever ``merge`` of the first request's cache builds."""
+    model = matrix._model("mlx-lm:llama")
+    mutant = MUTANTS["ExtractDropsLastToken"]
+    caches = [tq_mlx_lm.make_prompt_cache(model, batch_class=mutant) for _ in range(2)]
+    assert isinstance(caches[0][0].merge([c[0] for c in caches]), mutant)
+    assert tq_mlx_lm.batchable_class(mutant) is type(caches[1][0])  # made once
+    assert type(tq_mlx_lm.make_prompt_cache(model)[0]).__name__ == "BatchableTurboQuantKVCache"
+
+
+def test_mlx_lm_families_keep_mlx_lms_cache_rule():
+    model = matrix._model("mlx-lm:gemma3_text")
+    assert lm_families.quantized_layers(model) == [1]  # the sliding layer stays rotating
+    caches = matrix.target_for("tqbatch").batch_caches(model, [0, 2], "mlx-lm:gemma3_text")
+    assert type(caches[0]) is lm_cache.BatchRotatingKVCache
+    assert matrix.scenarios_for("llama") == matrix.SCENARIOS  # mlx-vlm's: no batch_generator
+    cell = matrix.run_cell("llama", "batch_generator", matrix.target_for("tqbatch"))
+    assert cell.status == "N/A"
+
+
+def test_cli_family_groups_expand():
+    assert _families(["mlx-lm"]) == list(lm_families.FAMILIES)
+    assert _families(["mlx-vlm", "qwen2"]) == list(families.FAMILIES)

@@ -1,0 +1,142 @@
+"""The matrix's ``batch_generator`` scenario: mlx-lm's own ``BatchGenerator`` under the oracle.
+
+mlx-lm's serving loop, not the matrix's: requests are inserted with their
+per-request caches (mlx-lm's rule, ``tqbatch.mlx_lm.make_prompt_cache`` for a
+quantized target), prefilled right-padded (``prepare``/``finalize``), merged
+into the running batch (``extend``), decoded greedily, removed mid-flight
+(``remove(..., return_prompt_caches=True)``) or finished (``extract`` +
+``filter``), and a finished request's extracted caches are inserted again
+(``insert(..., caches=[...])``) to go on where it stopped: prompt-cache reuse.
+
+``BatchGenerator`` cannot be teacher-forced, but its greedy tokens are the
+request's alone tokens while the batch is right. Its two model calls
+(``PromptProcessingBatch.prompt`` and ``GenerationBatch._step``) are wrapped
+for the run so that each is one of the matrix server's forwards: every write
+to a target layer feeds the request's reference, every attention call on it
+and every row afterwards is checked (``matrix.Oracle``), and so is every
+cache handed back. Each token must be the request's alone token, and its
+logprobs within ``MODEL_GAP_LIMIT`` of the alone run's.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.models import cache as lm_cache
+from mlx_vlm.turboquant import TurboQuantKVCache
+
+from tqbatch import mlx_lm as tq_mlx_lm
+from tqbatch.cache import BatchTurboQuantKVCache
+from tqbatch.testing.reference import to_numpy
+
+__all__ = ["MAX_TOKENS", "run"]
+
+# Tokens per request: A finishes first and is reinserted for REUSE more after a
+# one-token follow-up prompt (A's teacher covers 5 + 1 + 4 <= STEPS); B is removed
+# mid-flight; C and D run to the end.
+MAX_TOKENS = {"A": 5, "B": 6, "C": 9, "D": 6}
+REUSE = 4
+LATE_STEP = 2  # B and D join after this many decode steps of A and C
+REMOVE_STEP = 5  # B is removed after this many
+
+
+def run(server, requests) -> None:
+    """Drive ``server.model`` through mlx-lm's ``BatchGenerator``; raises ``CacheCheck``."""
+    from tqbatch.testing.matrix import BITS, SEED, CacheCheck, _Batch
+
+    model, target = server.model, server.target
+    keys: dict[int, str] = {}  # BatchGenerator's uid -> the matrix request
+
+    def fresh_caches():
+        if not target.quantized:
+            return lm_cache.make_prompt_cache(model)
+        return tq_mlx_lm.make_prompt_cache(model, bits=BITS, seed=SEED, batch_class=target.cls)
+
+    def reusable(caches):
+        # tqbatch's extract gives caches that merge into tqbatch's class; for any
+        # other target class a server would hand them back as that class's singles.
+        if target.cls in (None, BatchTurboQuantKVCache):
+            return caches
+        single = tq_mlx_lm.batchable_class(target.cls)
+        return [single.from_single(c) if isinstance(c, TurboQuantKVCache) else c for c in caches]
+
+    gen = BatchGenerator(model, max_tokens=16, prefill_batch_size=2, completion_batch_size=4)
+
+    def insert(key, prompt, max_tokens, caches, all_tokens):
+        (uid,) = gen.insert([prompt], [max_tokens], caches=[caches], all_tokens=[all_tokens])
+        keys[uid] = key
+
+    def batch_of(part) -> _Batch:
+        return _Batch([requests[keys[u]] for u in part.uids], part.prompt_cache)
+
+    original_prompt, original_step = PromptProcessingBatch.prompt, GenerationBatch._step
+
+    def prompt(part, tokens):
+        if not part.uids or not tokens:  # mlx-lm returns at once: no forward
+            return original_prompt(part, tokens)
+        batch = batch_of(part)
+        # Right-padded: row b's real columns are its first len(tokens[b]).
+        real = [range(0, len(t)) for t in tokens]
+        server._forward(batch, None, real, "prompt", run=lambda: original_prompt(part, tokens))
+        server.settle(batch, "prompt (finalized)")
+
+    def step(part):
+        batch = batch_of(part)
+        result = server._forward(
+            batch, None, [range(0, 1)] * len(part.uids), "decode", run=lambda: original_step(part)
+        )
+        server.settle(batch, "decode")
+        return result
+
+    def take(r):
+        """Check one response against the request alone; the caches it hands back too."""
+        key = keys[r.uid]
+        req = requests[key]
+        if req.fed >= len(req.teacher):
+            raise CacheCheck(f"{key} got a token past its {len(req.teacher)} alone ones")
+        if r.token != req.teacher[req.fed]:
+            raise CacheCheck(f"{key}'s token {req.fed} is {r.token}, alone {req.teacher[req.fed]}")
+        alone = req.alone[req.fed]
+        alone = alone - np.log(np.sum(np.exp(alone - alone.max()))) - alone.max()
+        logprobs = to_numpy(r.logprobs.astype(mx.float32))
+        req.gaps.append(float(np.abs(logprobs - alone).max()))
+        req.fed += 1
+        if r.finish_reason is not None:
+            server.oracle.check_single(key, r.prompt_cache, f"cache {key} finished with")
+        return key
+
+    PromptProcessingBatch.prompt, GenerationBatch._step = prompt, step
+    try:
+        for key in ("A", "C"):
+            insert(key, requests[key].prompt, MAX_TOKENS[key], fresh_caches(), [])
+        steps, reused = 0, False
+        while responses := gen.next_generated():
+            steps += 1
+            for r in responses:
+                key = take(r)
+                if key == "A" and r.finish_reason is not None and not reused:
+                    reused = True
+                    # BatchGenerator has already fed the last token it returned (it
+                    # computes one step ahead): the caches hold it. The follow-up
+                    # prompt is the token the request would have produced next.
+                    follow_up = requests["A"].teacher[requests["A"].fed]
+                    requests["A"].fed += 1
+                    tokens = list(r.all_tokens)
+                    insert("A", [follow_up], REUSE, reusable(r.prompt_cache), tokens)
+            if steps == LATE_STEP:
+                for key in ("B", "D"):
+                    insert(key, requests[key].prompt, MAX_TOKENS[key], fresh_caches(), [])
+            if steps == REMOVE_STEP:
+                (uid,) = [u for u, k in keys.items() if k == "B"]
+                removed = gen.remove([uid], return_prompt_caches=True)
+                if uid not in removed:
+                    raise CacheCheck(f"remove of B at step {steps}: no caches handed back")
+                server.oracle.check_single("B", removed[uid][0], "cache B was removed with")
+    finally:
+        PromptProcessingBatch.prompt, GenerationBatch._step = original_prompt, original_step
+    done = {k: requests[k].fed for k in MAX_TOKENS}
+    want = {k: n + (1 + REUSE if k == "A" else 0) for k, n in MAX_TOKENS.items()}
+    want["B"] = done["B"]  # removed mid-flight: however far it got
+    if done != want or not reused or done["B"] >= MAX_TOKENS["B"]:
+        raise CacheCheck(f"BatchGenerator gave {done} tokens per request, expected {want}")
