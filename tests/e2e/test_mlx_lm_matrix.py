@@ -106,3 +106,35 @@ def test_mlx_lm_families_keep_mlx_lms_cache_rule():
 def test_cli_family_groups_expand():
     assert _families(["mlx-lm"]) == list(lm_families.FAMILIES)
     assert _families(["mlx-vlm", "qwen2"]) == list(families.FAMILIES)
+
+
+# ------------------------------------------------------------ failures attributed to a layer
+
+
+@pytest.mark.parametrize("target", ["tqbatch", BASELINE])
+def test_a_sliding_window_failure_names_the_rotating_layer_below_the_cache(target):
+    """After a verify block the logits leave the request alone for every cache; the
+    diagnosis run watches the sliding layers too and names mlx-lm's rotating cache."""
+    cell = matrix.run_cell("mlx-lm:gemma3_text", "uniform_rollback", matrix.target_for(target))
+    assert cell.status == "FAIL", cell.short()
+    assert cell.detail.startswith(
+        "fails below the cache under test: layer 0 `BatchRotatingKVCache` (row 0 (A), "
+        "forward 4 (decode): attention output differs"
+    ), cell.detail
+
+
+def test_an_oracle_failure_names_the_target_layer_and_class():
+    cell = matrix.run_cell(
+        "mlx-lm:llama", "continuous", matrix.Target("m", MUTANTS["ExtractDropsLastToken"])
+    )
+    assert cell.detail.startswith("layer 0 `ExtractDropsLastToken`, extract of A"), cell.detail
+
+
+def test_attributed_keeps_messages_without_a_layer():
+    oracle = matrix.Oracle(matrix.target_for(BASELINE), [1])
+    oracle.classes = {0: "BatchRotatingKVCache", 1: "BatchKVCache"}
+    assert matrix.attributed("layer 1, row 0: x", oracle) == "layer 1 `BatchKVCache`, row 0: x"
+    assert matrix.attributed("layer 0, row 0: x", oracle) == (
+        "fails below the cache under test: layer 0 `BatchRotatingKVCache` (row 0: x)"
+    )
+    assert matrix.attributed("A's token 3 is 5", oracle) == "A's token 3 is 5"

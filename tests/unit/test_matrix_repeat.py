@@ -20,7 +20,9 @@ def _runs(monkeypatch, *cells):
     """Make each run of a cell return the next of ``cells``; returns the call count."""
     calls = []
 
-    def once(family, scenario, target):
+    def once(family, scenario, target, diagnose=False):
+        if diagnose:  # the diagnosis run after a reproduced gap: no attribution here
+            return matrix.Cell(FAMILY, SCENARIO, target.name, "PASS")
         calls.append(1)
         return cells[len(calls) - 1]
 

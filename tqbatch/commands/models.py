@@ -23,6 +23,8 @@ from tqbatch.exitcodes import ExitCode
 # Statuses that give no verdict on the target: a run where every cell of the
 # target has one of these checked nothing.
 NO_VERDICT = ("N/A", "NONDET")
+# Characters of a markdown cell: enough for a failure's layer and cache class.
+WIDTH = 130
 # --families names that stand for every family of one library.
 GROUPS = ("mlx-vlm", "mlx-lm")
 
@@ -101,7 +103,7 @@ def markdown(cells, targets) -> str:
         "|---|---|" + "---|" * len(targets),
     ]
     for family, scenario in rows:
-        briefs = [by_key[family, scenario, t.name].brief() for t in targets]
+        briefs = [by_key[family, scenario, t.name].brief(WIDTH) for t in targets]
         lines.append(
             f"| {family} | {scenario} | " + " | ".join(b.replace("|", "/") for b in briefs) + " |"
         )

@@ -68,6 +68,7 @@ def run(server, requests) -> None:
         keys[uid] = key
 
     def batch_of(part) -> _Batch:
+        server._note_layers(part.prompt_cache)
         return _Batch([requests[keys[u]] for u in part.uids], part.prompt_cache)
 
     original_prompt, original_step = PromptProcessingBatch.prompt, GenerationBatch._step

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -115,6 +116,7 @@ ALL_FAMILIES = families.FAMILIES + lm_families.FAMILIES
 MODEL_GAP_LIMIT = 0.5
 
 _FULL_PRECISION_BATCHES = (lm_cache.BatchKVCache, vlm_cache.BatchKVCache)
+_ROTATING = (lm_cache.BatchRotatingKVCache, vlm_cache.BatchRotatingKVCache)
 _WATCHED = (
     TurboQuantKVCache,
     lm_cache.KVCache,
@@ -284,6 +286,11 @@ class Oracle:
         self.refs = {layer: TurboReferences(bits=BITS, seed=SEED) for layer in self.layers}
         self.checks = 0
         self.worst = 0.0
+        # Diagnosis only: sliding-window layers whose attention is also checked, against
+        # the plain tokens with the window's mask (layer -> window), and every layer's
+        # batch cache class, to name it where the check fails.
+        self.windows: dict[int, int] = {}
+        self.classes: dict[int, str] = {}
 
     @property
     def admitted(self) -> int:
@@ -296,19 +303,21 @@ class Oracle:
         """Append (H, n, D) keys and values to request ``uid``'s reference at ``layer``."""
         if keys.shape[1]:
             self.tokens.setdefault((uid, layer), []).append((keys, values))
-            if self.target.quantized:
+            if self.target.quantized and layer in self.refs:
                 self.refs[layer].append(uid, keys, values)
 
     def drop_last(self, uid: str, n: int):
         """Forget request ``uid``'s last ``n`` tokens at every layer (a rolled-back tail)."""
         if n <= 0:
             return
-        for layer in self.layers:
+        for layer in self.layers + tuple(self.windows):
+            if (uid, layer) not in self.tokens:
+                continue
             keys, values = self._concat(uid, layer)
             self.tokens[uid, layer] = [
                 (keys[:, : keys.shape[1] - n], values[:, : values.shape[1] - n])
             ]
-            if self.target.quantized:
+            if self.target.quantized and layer in self.refs:
                 self.refs[layer].trim(uid, n)
 
     def _concat(self, uid, layer):
@@ -321,7 +330,7 @@ class Oracle:
         """The reference's (H, T, D) keys and values: the tokens, quantized if the target is
         (or if ``quantized`` says the cache object checked is)."""
         quantized = self.target.quantized if quantized is None else quantized
-        if not quantized:
+        if not quantized or layer in self.windows:
             return self._concat(uid, layer)
         keys, values = self.refs[layer].dequantized(uid)
         return None if keys is None else (keys, values)
@@ -354,7 +363,7 @@ class Oracle:
     def _attention_ratio(self, uid, layer, queries, got, call, quantized: bool) -> float:
         ref_keys, ref_values = self.want(uid, layer, quantized)
         n = queries.shape[2]
-        mask = causal_mask(n, ref_keys.shape[1] - n, [0])
+        mask = causal_mask(n, ref_keys.shape[1] - n, [0], self.windows.get(layer))
         # mlx-vlm's full-precision attention over the reference's dequantized
         # tokens: what its attention over a TurboQuantKVCache computes, by
         # another float32 route, which the bound below covers.
@@ -447,13 +456,18 @@ class _Batch:
 class _Server:
     """Drives one model like a continuous-batching server, under the oracle."""
 
-    def __init__(self, model, family: str, target: Target, layers, oracle: Oracle):
+    def __init__(
+        self, model, family: str, target: Target, layers, oracle: Oracle, diagnose: bool = False
+    ):
         self.model, self.target, self.layers = model, target, tuple(layers)
         self.family = family
         self.oracle = oracle
         self.modules = _attention_modules(family)
         target_class = (target.cls,) if target.cls else ()
-        self.ledger = KVLedger(_WATCHED + target_class, _FULL_PRECISION_BATCHES + target_class)
+        # Diagnosing a failed cell: the sliding-window layers' caches are watched too.
+        self.diagnose = diagnose
+        watched = _WATCHED + target_class + (_ROTATING if diagnose else ())
+        self.ledger = KVLedger(watched, _FULL_PRECISION_BATCHES + target_class)
         self.forwards = 0
 
     # -------- one forward, and what it wrote
@@ -465,7 +479,7 @@ class _Server:
         self.ledger.clear()
         with self.ledger, AttentionLog(self.modules) as attention:
             result = (run or (lambda: _logits(self.model, tokens, batch.caches)))()
-        for layer in self.layers:
+        for layer in self.layers + tuple(self.oracle.windows):
             served = self._attribute(batch, before[layer], layer, real, where)
             self._check_attention(batch, served, attention, layer, where)
         return result
@@ -526,7 +540,8 @@ class _Server:
                     keys[row, :, cols.start : cols.stop],
                     values[row, :, cols.start : cols.stop],
                 )
-            return [(after, list(enumerate(real)), self.target.quantized)]
+            quantized = self.target.quantized and layer not in self.oracle.windows
+            return [(after, list(enumerate(real)), quantized)]
         # The model replaced the cache: it ran rows alone and merged them (qwen3_5).
         record = self.ledger.merge_into(after)
         if record is None or len(record.members) != B:
@@ -560,6 +575,7 @@ class _Server:
         longest = max(len(r.prompt) for r in requests)
         padding = [longest - len(r.prompt) for r in requests]
         batch = _Batch(list(requests), self.target.batch_caches(self.model, padding, self.family))
+        self._note_layers(batch.caches)
         tokens = [[0] * p + r.prompt for p, r in zip(padding, requests)]
         real = [range(p, longest) for p in padding]
         logits = self._forward(batch, tokens, real, "prefill")
@@ -567,6 +583,12 @@ class _Server:
             req.compare(0, logits[row, -1])
         self.settle(batch, "prefill")
         return batch
+
+    def _note_layers(self, caches):
+        for layer, cache in enumerate(caches):
+            self.oracle.classes.setdefault(layer, type(cache).__name__)
+            if self.diagnose and layer not in self.layers and hasattr(cache, "max_size"):
+                self.oracle.windows.setdefault(layer, int(cache.max_size))
 
     def decode(self, batch: _Batch, steps: int = 1):
         for _ in range(steps):
@@ -807,7 +829,13 @@ def run_cell(family: str, scenario: str, target: Target) -> Cell:
     again = _run_cell_once(family, scenario, target)
     seconds = cell.seconds + again.seconds
     if again.gap == cell.gap:
-        return dataclasses.replace(cell, seconds=seconds)
+        # The oracle passed the target's layers: run once more watching the
+        # sliding-window layers too, to name the layer that first disagrees.
+        diagnosis = _run_cell_once(family, scenario, target, diagnose=True)
+        detail = cell.detail
+        if diagnosis.status == "FAIL" and not diagnosis.gap_failure:
+            detail = f"{diagnosis.detail}; {detail}"
+        return dataclasses.replace(cell, detail=detail, seconds=seconds + diagnosis.seconds)
     detail = (
         f"two identical runs were {cell.gap:.3g} and {_gap_text(again.gap)} from the requests "
         "run alone: the backend is not deterministic here, no verdict"
@@ -819,7 +847,21 @@ def _gap_text(gap: float | None) -> str:
     return "no gap" if gap is None else f"{gap:.3g}"
 
 
-def _run_cell_once(family: str, scenario: str, target: Target) -> Cell:
+def attributed(message: str, oracle: Oracle) -> str:
+    """A failed check's message with its layer's batch cache class named; a layer the
+    target does not hold is said to be below the cache under test."""
+    found = re.match(r"layer (\d+), ", message)
+    if found is None:
+        return message
+    layer = int(found.group(1))
+    name = f"layer {layer} `{oracle.classes.get(layer, '?')}`"
+    rest = message[found.end() :]
+    if layer in oracle.layers:
+        return f"{name}, {rest}"
+    return f"fails below the cache under test: {name} ({rest})"
+
+
+def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = False) -> Cell:
     start = time.perf_counter()
     model = _model(family)
     layers = _quantized_layers(family, model)
@@ -832,7 +874,7 @@ def _run_cell_once(family: str, scenario: str, target: Target) -> Cell:
             for uid in PROMPTS:
                 prompt = _prompt(uid, families.vocab_size(model))
                 requests[uid] = _alone_run(model, family, target, layers, uid, prompt, STEPS)
-            server = _Server(model, family, target, layers, oracle)
+            server = _Server(model, family, target, layers, oracle, diagnose)
             if scenario == "batch_generator":
                 from tqbatch.testing import lm_generator
 
@@ -845,7 +887,7 @@ def _run_cell_once(family: str, scenario: str, target: Target) -> Cell:
             scenario,
             target.name,
             "FAIL",
-            str(exc),
+            attributed(str(exc), oracle),
             _gap(requests),
             oracle.checks,
             time.perf_counter() - start,
