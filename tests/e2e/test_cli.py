@@ -21,6 +21,23 @@ def test_e2e_command_fails_on_a_broken_cache(capsys):
     assert "FAILED: extract: request" in capsys.readouterr().out
 
 
+def test_e2e_command_runs_an_mlx_lm_family_through_batch_generator(capsys):
+    assert main(["e2e", "--family", "mlx-lm:llama"]) == 0
+    out = capsys.readouterr().out
+    assert "serving loop: mlx-lm's BatchGenerator" in out
+    assert "OK: PASS" in out
+    for uid in "ABCD":
+        assert f"\n  {uid} " in out
+
+
+def test_e2e_command_fails_an_mlx_lm_family_on_a_broken_cache(capsys):
+    impl = "tqbatch.testing.mutants:ExtractDropsLastToken"  # BatchGenerator extracts on finish
+    assert main(["e2e", "--family", "mlx-lm:llama", "--impl", impl]) == 1
+    assert "FAILED: FAIL: layer 0 `ExtractDropsLastToken`, cache A finished with" in (
+        capsys.readouterr().out
+    )
+
+
 def test_models_command_prints_the_matrix_and_passes_on_tqbatch(capsys):
     args = ["models", "--families", "qwen2", "--scenarios", "prefill_decode", "speculative"]
     assert main([*args, "--markdown"]) == 0

@@ -237,6 +237,19 @@ class CacheCheck(Exception):
     """A target cache failed the oracle."""
 
 
+@dataclass
+class RequestVerdict:
+    """One request's share of a cell: the oracle's checks of its rows and references,
+    the worst excess over the tolerance, the tokens the batch gave it and their largest
+    logit gap from the request run alone."""
+
+    uid: str
+    checks: int = 0
+    worst: float = 0.0
+    tokens: int = 0
+    gap: float | None = None
+
+
 def _read_rows(cache) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """(B, H, T, D) float32 keys and values of the written slots, and the left padding."""
     if isinstance(cache, _FULL_PRECISION_BATCHES):
@@ -286,6 +299,7 @@ class Oracle:
         self.refs = {layer: TurboReferences(bits=BITS, seed=SEED) for layer in self.layers}
         self.checks = 0
         self.worst = 0.0
+        self.per_request: dict[str, RequestVerdict] = {}
         # Diagnosis only: sliding-window layers whose attention is also checked, against
         # the plain tokens with the window's mask (layer -> window), and every layer's
         # batch cache class, to name it where the check fails.
@@ -358,7 +372,7 @@ class Oracle:
         if ratio > 1.0 and quantized and read_row is not None:
             if self.admit(uid, layer, read_row()):
                 ratio = self._attention_ratio(uid, layer, queries, got, call, quantized)
-        self._record(ratio, f"{where}: attention output differs")
+        self._record(uid, ratio, f"{where}: attention output differs")
 
     def _attention_ratio(self, uid, layer, queries, got, call, quantized: bool) -> float:
         ref_keys, ref_values = self.want(uid, layer, quantized)
@@ -428,12 +442,16 @@ class Oracle:
             want = self.want(uid, layer)
             ratios = [_ratio(m, t, content_tolerance(t)) for m, t in zip(got, want)]
         for name, ratio in zip(("keys", "values"), ratios):
-            self._record(ratio, f"{where}: {name} differ")
+            self._record(uid, ratio, f"{where}: {name} differ")
 
-    def _record(self, ratio: float, what: str):
-        """Count one check; raise ``CacheCheck`` if ``ratio`` (of the tolerance) is past 1."""
+    def _record(self, uid: str, ratio: float, what: str):
+        """Count one check of request ``uid``; raise ``CacheCheck`` if ``ratio`` (of the
+        tolerance) is past 1."""
         self.checks += 1
         self.worst = max(self.worst, ratio)
+        verdict = self.per_request.setdefault(uid, RequestVerdict(uid))
+        verdict.checks += 1
+        verdict.worst = max(verdict.worst, ratio)
         if not ratio <= 1.0:
             raise CacheCheck(f"{what} from the request's by {ratio:.3g}x the tolerance")
 
@@ -756,7 +774,7 @@ class Cell:
     says what failed or raised; ``gap`` is the largest logit distance from
     the requests run alone; ``gap_failure`` whether that gap alone failed it;
     ``admitted`` how many tokens' references took the target's other rounding
-    choice (``Oracle.admit``).
+    choice (``Oracle.admit``); ``requests`` each request's share.
     """
 
     family: str
@@ -769,6 +787,7 @@ class Cell:
     seconds: float = 0.0
     gap_failure: bool = False
     admitted: int = 0
+    requests: tuple[RequestVerdict, ...] = ()  # per request, in prompt order
 
     def short(self) -> str:
         """The status and what it rests on: the gap from alone, the failed check, the error."""
@@ -892,6 +911,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
             oracle.checks,
             time.perf_counter() - start,
             admitted=oracle.admitted,
+            requests=_verdicts(requests, oracle),
         )
     except Exception as exc:  # the model's or the cache's own code raised
         where = traceback.extract_tb(exc.__traceback__)[-1]
@@ -909,6 +929,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
             oracle.checks,
             time.perf_counter() - start,
             admitted=oracle.admitted,
+            requests=_verdicts(requests, oracle),
         )
     gap = _gap(requests)
     status, detail = "PASS", ""
@@ -925,7 +946,17 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
         time.perf_counter() - start,
         gap_failure=status == "FAIL",
         admitted=oracle.admitted,
+        requests=_verdicts(requests, oracle),
     )
+
+
+def _verdicts(requests, oracle: Oracle) -> tuple[RequestVerdict, ...]:
+    out = []
+    for uid, req in requests.items():
+        verdict = dataclasses.replace(oracle.per_request.get(uid, RequestVerdict(uid)))
+        verdict.tokens, verdict.gap = req.fed, max(req.gaps, default=None)
+        out.append(verdict)
+    return tuple(out)
 
 
 def _gap(requests) -> float | None:
