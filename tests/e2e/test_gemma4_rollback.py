@@ -29,12 +29,12 @@ from mlx_vlm.speculative.cache_state import commit_speculative_round
 from mlx_vlm.speculative.common import verify_forward
 
 from tqbatch import BatchTurboQuantKVCache
-from tqbatch.testing import families, matrix
+from tqbatch.workbench import model_matrix, vlm_families
 
 
 @pytest.fixture(scope="module")
 def gemma4():
-    return families.build("gemma4")
+    return vlm_families.build("gemma4")
 
 
 def _all_full_attention_gemma4():
@@ -42,7 +42,7 @@ def _all_full_attention_gemma4():
     from mlx_vlm.models.gemma4.config import TextConfig
     from mlx_vlm.models.gemma4.language import LanguageModel
 
-    params = dict(families._CONFIGS["gemma4"], num_hidden_layers=2)
+    params = dict(vlm_families._CONFIGS["gemma4"], num_hidden_layers=2)
     params["layer_types"] = ["full_attention"] * 2
     mx.random.seed(0)
     model = LanguageModel(TextConfig.from_dict(params))
@@ -63,7 +63,7 @@ def _same(a: list, b: list) -> bool:
     )
 
 
-def _ragged_rollback(model, target: matrix.Target, accepted: list[int], block: int):
+def _ragged_rollback(model, target: model_matrix.Target, accepted: list[int], block: int):
     """Prefill, verify a block and commit ``accepted`` as mlx-vlm's decoders do for
     Gemma 4; -> (the error, indices of changed layers, caches)."""
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]][: len(accepted)]
@@ -71,7 +71,7 @@ def _ragged_rollback(model, target: matrix.Target, accepted: list[int], block: i
     padding = [longest - len(p) for p in prompts]
     caches = target.batch_caches(model, padding)
     tokens = mx.array([[0] * pad + p for pad, p in zip(padding, prompts)], dtype=mx.int32)
-    mx.eval(families.forward(model, tokens, caches))
+    mx.eval(vlm_families.forward(model, tokens, caches))
     # speculative/dflash.py's _dflash_verify: a model with its own rollback verifies
     # in one call; gdn_states is then None and the commit goes to that rollback.
     drafts = mx.arange(block * len(accepted), dtype=mx.int32).reshape(len(accepted), block)
@@ -93,9 +93,9 @@ def _ragged_rollback(model, target: matrix.Target, accepted: list[int], block: i
     ],
 )
 def test_ragged_rollback_is_refused_as_for_batchkvcache(gemma4, impl, accepted, block):
-    target = matrix.Target("under test", impl)
+    target = model_matrix.Target("under test", impl)
     dense_error, dense_changed, _ = _ragged_rollback(
-        gemma4, matrix.target_for(matrix.BASELINE), accepted, block
+        gemma4, model_matrix.target_for(model_matrix.BASELINE), accepted, block
     )
     error, changed, caches = _ragged_rollback(gemma4, target, accepted, block)
 
@@ -121,8 +121,8 @@ def test_a_batch_of_only_tqbatch_layers_is_not_refused():
     (``requires_uniform_batch_acceptance``) or roll back through mlx-vlm's cache
     transaction, which rolls tqbatch's rows back one by one, exactly."""
     model = _all_full_attention_gemma4()
-    _ragged_rollback(model, matrix.target_for(matrix.BASELINE), [2, 0], 4)
-    _ragged_rollback(model, matrix.target_for("tqbatch"), [2, 0], 4)
+    _ragged_rollback(model, model_matrix.target_for(model_matrix.BASELINE), [2, 0], 4)
+    _ragged_rollback(model, model_matrix.target_for("tqbatch"), [2, 0], 4)
 
 
 @pytest.mark.parametrize("layout", ["sliding and full", "full only"])
@@ -132,9 +132,9 @@ def test_mlx_vlms_cache_transaction_rolls_tqbatch_rows_back_exactly(gemma4, layo
     packed bits of its prompt and accepted tokens, the rejected ones gone."""
     model = gemma4 if layout == "sliding and full" else _all_full_attention_gemma4()
     accepted, block = [2, 0], 4
-    caches = matrix.target_for("tqbatch").batch_caches(model, [0, 3])
+    caches = model_matrix.target_for("tqbatch").batch_caches(model, [0, 3])
     prompts = mx.array([[5, 6, 7, 8, 9, 10], [0, 0, 0, 11, 12, 13]], dtype=mx.int32)
-    mx.eval(families.forward(model, prompts, caches))
+    mx.eval(vlm_families.forward(model, prompts, caches))
     drafts = mx.array([[21, 22, 23, 24], [25, 26, 27, 28]], dtype=mx.int32)
     output, transaction = verify_forward(model, drafts, caches)
     mx.eval(output.logits)

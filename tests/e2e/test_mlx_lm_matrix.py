@@ -17,12 +17,12 @@ from mlx_lm.models import cache as lm_cache
 
 import tqbatch.mlx_lm as tq_mlx_lm
 from tqbatch.commands.models import _families
-from tqbatch.testing import families, lm_families, matrix
-from tqbatch.testing.matrix import BASELINE
 from tqbatch.testing.mutants import MUTANTS
+from tqbatch.workbench import lm_families, model_matrix, vlm_families
+from tqbatch.workbench.model_matrix import BASELINE
 
 MATRIX_DOC = Path(__file__).resolve().parents[2] / "docs" / "model-families.md"
-CELLS = [(f, s) for f in lm_families.FAMILIES for s in matrix.LM_SCENARIOS]
+CELLS = [(f, s) for f in lm_families.FAMILIES for s in model_matrix.LM_SCENARIOS]
 
 
 def _doc_matrix() -> dict[tuple[str, str], dict[str, str]]:
@@ -44,8 +44,8 @@ def _doc_matrix() -> dict[tuple[str, str], dict[str, str]]:
 
 @pytest.mark.parametrize(("family", "scenario"), CELLS, ids=[f"{f}-{s}" for f, s in CELLS])
 def test_mlx_lm_cell_passes_where_batchkvcache_passes(family, scenario):
-    baseline = matrix.run_cell(family, scenario, matrix.target_for(BASELINE))
-    cell = matrix.run_cell(family, scenario, matrix.target_for("tqbatch"))
+    baseline = model_matrix.run_cell(family, scenario, model_matrix.target_for(BASELINE))
+    cell = model_matrix.run_cell(family, scenario, model_matrix.target_for("tqbatch"))
     if baseline.status == "PASS":
         assert cell.status == "PASS", cell.short()
     assert cell.status == baseline.status, (cell.short(), baseline.short())
@@ -78,14 +78,16 @@ def test_doc_matrix_covers_every_mlx_lm_cell():
     ],
 )
 def test_mlx_lm_cell_catches_a_broken_cache(mutant, scenario, pattern):
-    cell = matrix.run_cell("mlx-lm:llama", scenario, matrix.Target(mutant, MUTANTS[mutant]))
+    cell = model_matrix.run_cell(
+        "mlx-lm:llama", scenario, model_matrix.Target(mutant, MUTANTS[mutant])
+    )
     assert cell.status == "FAIL", cell.short()
     assert re.search(pattern, cell.detail), cell.detail
 
 
 def test_factory_merges_into_the_batch_class_it_is_given():
     """BatchGenerator batches whatever ``merge`` of the first request's cache builds."""
-    model = matrix._model("mlx-lm:llama")
+    model = model_matrix._model("mlx-lm:llama")
     mutant = MUTANTS["ExtractDropsLastToken"]
     caches = [tq_mlx_lm.make_prompt_cache(model, batch_class=mutant) for _ in range(2)]
     assert isinstance(caches[0][0].merge([c[0] for c in caches]), mutant)
@@ -94,18 +96,20 @@ def test_factory_merges_into_the_batch_class_it_is_given():
 
 
 def test_mlx_lm_families_keep_mlx_lms_cache_rule():
-    model = matrix._model("mlx-lm:gemma3_text")
+    model = model_matrix._model("mlx-lm:gemma3_text")
     assert lm_families.quantized_layers(model) == [1]  # the sliding layer stays rotating
-    caches = matrix.target_for("tqbatch").batch_caches(model, [0, 2], "mlx-lm:gemma3_text")
+    caches = model_matrix.target_for("tqbatch").batch_caches(model, [0, 2], "mlx-lm:gemma3_text")
     assert type(caches[0]) is lm_cache.BatchRotatingKVCache
-    assert matrix.scenarios_for("llama") == matrix.SCENARIOS  # mlx-vlm's: no batch_generator
-    cell = matrix.run_cell("llama", "batch_generator", matrix.target_for("tqbatch"))
+    assert (
+        model_matrix.scenarios_for("llama") == model_matrix.SCENARIOS
+    )  # mlx-vlm's: no batch_generator
+    cell = model_matrix.run_cell("llama", "batch_generator", model_matrix.target_for("tqbatch"))
     assert cell.status == "N/A"
 
 
 def test_cli_family_groups_expand():
     assert _families(["mlx-lm"]) == list(lm_families.FAMILIES)
-    assert _families(["mlx-vlm", "qwen2"]) == list(families.FAMILIES)
+    assert _families(["mlx-vlm", "qwen2"]) == list(vlm_families.FAMILIES)
 
 
 # ------------------------------------------------------------ failures attributed to a layer
@@ -115,7 +119,9 @@ def test_cli_family_groups_expand():
 def test_a_sliding_window_failure_names_the_rotating_layer_below_the_cache(target):
     """After a verify block the logits leave the request alone for every cache; the
     diagnosis run watches the sliding layers too and names mlx-lm's rotating cache."""
-    cell = matrix.run_cell("mlx-lm:gemma3_text", "uniform_rollback", matrix.target_for(target))
+    cell = model_matrix.run_cell(
+        "mlx-lm:gemma3_text", "uniform_rollback", model_matrix.target_for(target)
+    )
     assert cell.status == "FAIL", cell.short()
     assert cell.detail.startswith(
         "fails below the cache under test: layer 0 `BatchRotatingKVCache` (row 0 (A), "
@@ -124,17 +130,19 @@ def test_a_sliding_window_failure_names_the_rotating_layer_below_the_cache(targe
 
 
 def test_an_oracle_failure_names_the_target_layer_and_class():
-    cell = matrix.run_cell(
-        "mlx-lm:llama", "continuous", matrix.Target("m", MUTANTS["ExtractDropsLastToken"])
+    cell = model_matrix.run_cell(
+        "mlx-lm:llama", "continuous", model_matrix.Target("m", MUTANTS["ExtractDropsLastToken"])
     )
     assert cell.detail.startswith("layer 0 `ExtractDropsLastToken`, extract of A"), cell.detail
 
 
 def test_attributed_keeps_messages_without_a_layer():
-    oracle = matrix.Oracle(matrix.target_for(BASELINE), [1])
+    oracle = model_matrix.Oracle(model_matrix.target_for(BASELINE), [1])
     oracle.classes = {0: "BatchRotatingKVCache", 1: "BatchKVCache"}
-    assert matrix.attributed("layer 1, row 0: x", oracle) == "layer 1 `BatchKVCache`, row 0: x"
-    assert matrix.attributed("layer 0, row 0: x", oracle) == (
+    assert (
+        model_matrix.attributed("layer 1, row 0: x", oracle) == "layer 1 `BatchKVCache`, row 0: x"
+    )
+    assert model_matrix.attributed("layer 0, row 0: x", oracle) == (
         "fails below the cache under test: layer 0 `BatchRotatingKVCache` (row 0: x)"
     )
-    assert matrix.attributed("A's token 3 is 5", oracle) == "A's token 3 is 5"
+    assert model_matrix.attributed("A's token 3 is 5", oracle) == "A's token 3 is 5"

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tqbatch.testing import families, matrix
 from tqbatch.testing.doubles import RoundsFarOtherwise, RoundsOtherwise
-from tqbatch.testing.matrix import BASELINE
 from tqbatch.testing.mutants import MUTANTS
 from tqbatch.testing.reference import TurboReferences
+from tqbatch.workbench import model_matrix, vlm_families
+from tqbatch.workbench.model_matrix import BASELINE
 
 MATRIX_DOC = Path(__file__).resolve().parents[2] / "docs" / "model-families.md"
-CELLS = [(f, s) for f in families.FAMILIES for s in matrix.SCENARIOS]
+CELLS = [(f, s) for f in vlm_families.FAMILIES for s in model_matrix.SCENARIOS]
 
 
 def _readme_matrix() -> dict[tuple[str, str], dict[str, str]]:
@@ -42,14 +42,14 @@ def _readme_matrix() -> dict[tuple[str, str], dict[str, str]]:
 @pytest.fixture(scope="module")
 def target(impl):
     if impl.__module__.startswith("tqbatch.cache"):
-        return matrix.target_for("tqbatch")
-    return matrix.Target(f"{impl.__module__}:{impl.__qualname__}", impl)
+        return model_matrix.target_for("tqbatch")
+    return model_matrix.Target(f"{impl.__module__}:{impl.__qualname__}", impl)
 
 
 @pytest.mark.parametrize(("family", "scenario"), CELLS, ids=[f"{f}-{s}" for f, s in CELLS])
 def test_cell_passes_where_batchkvcache_passes(family, scenario, target):
-    baseline = matrix.run_cell(family, scenario, matrix.target_for(BASELINE))
-    cell = matrix.run_cell(family, scenario, target)
+    baseline = model_matrix.run_cell(family, scenario, model_matrix.target_for(BASELINE))
+    cell = model_matrix.run_cell(family, scenario, target)
     if baseline.status == "PASS":
         assert cell.status == "PASS", cell.short()
     if target.name == "tqbatch":
@@ -80,7 +80,7 @@ def test_readme_matrix_covers_every_cell():
     ],
 )
 def test_matrix_catches_a_broken_cache(mutant, family, scenario, pattern):
-    cell = matrix.run_cell(family, scenario, matrix.Target(mutant, MUTANTS[mutant]))
+    cell = model_matrix.run_cell(family, scenario, model_matrix.Target(mutant, MUTANTS[mutant]))
     assert cell.status == "FAIL", cell.short()
     assert re.search(pattern, cell.detail), cell.detail
 
@@ -88,8 +88,8 @@ def test_matrix_catches_a_broken_cache(mutant, family, scenario, pattern):
 def test_an_idx_attribute_breaks_lfm2s_rollback():
     """Why tqbatch has no ``_idx``: lfm2's rollback takes any cache with one for a
     dense cache and refuses packed keys, even when every row accepts alike."""
-    cell = matrix.run_cell(
-        "lfm2", "uniform_rollback", matrix.Target("idx", MUTANTS["HasIdxAttribute"])
+    cell = model_matrix.run_cell(
+        "lfm2", "uniform_rollback", model_matrix.Target("idx", MUTANTS["HasIdxAttribute"])
     )
     assert cell.status == "ERROR" and "NotImplementedError" in cell.detail, cell.short()
 
@@ -97,15 +97,15 @@ def test_an_idx_attribute_breaks_lfm2s_rollback():
 def test_matrix_catches_mlx_vlms_cache_attending_padding_in_qwen3_5():
     """mlx-vlm's own class takes qwen3_5's decode path without a mask: the
     attention check sees padding attended, which the content check cannot."""
-    cell = matrix.run_cell("qwen3_5", "prefill_decode", matrix.target_for("mlx-vlm"))
+    cell = model_matrix.run_cell("qwen3_5", "prefill_decode", model_matrix.target_for("mlx-vlm"))
     assert cell.status == "FAIL" and "attention output" in cell.detail, cell.short()
 
 
 def test_the_model_level_check_fails_a_wrong_model_output():
     """Where mlx-vlm's own rotating window cache gets left-padded rows wrong in a
     verify block, BatchKVCache's logits leave the request run alone."""
-    cell = matrix.run_cell("gpt_oss", "uniform_rollback", matrix.target_for(BASELINE))
-    assert cell.status == "FAIL" and cell.gap > matrix.MODEL_GAP_LIMIT, cell.short()
+    cell = model_matrix.run_cell("gpt_oss", "uniform_rollback", model_matrix.target_for(BASELINE))
+    assert cell.status == "FAIL" and cell.gap > model_matrix.MODEL_GAP_LIMIT, cell.short()
 
 
 def test_matrix_admits_a_cache_that_rounds_otherwise(monkeypatch):
@@ -113,23 +113,23 @@ def test_matrix_admits_a_cache_that_rounds_otherwise(monkeypatch):
     passes every cell tqbatch passes, up to the first cell where its nudge moved
     a code or norm (a few cells in: one coordinate in thousands moves), and
     that cell failed before the oracle admitted rounding choices."""
-    target = matrix.Target("RoundsOtherwise", RoundsOtherwise)
+    target = model_matrix.Target("RoundsOtherwise", RoundsOtherwise)
     passing = [cell for cell in CELLS if _readme_matrix()[cell]["tqbatch"] == "PASS"]
     for family, scenario in passing:
-        cell = matrix.run_cell(family, scenario, target)
+        cell = model_matrix.run_cell(family, scenario, target)
         assert cell.status == "PASS", (family, scenario, cell.short())
         if cell.admitted:
             break
     else:
         pytest.fail("the nudge moved no code or norm in any cell")
     monkeypatch.setattr(TurboReferences, "admit_rounding", lambda *a: None)
-    cell = matrix.run_cell(family, scenario, target)
+    cell = model_matrix.run_cell(family, scenario, target)
     assert cell.status == "FAIL" and "differ" in cell.detail, cell.short()
 
 
 @pytest.mark.float32_only(reason="a 1e-3 nudge is within TF32's rounding band (3.9e-3)")
 def test_matrix_fails_a_cache_past_the_rounding_band():
-    cell = matrix.run_cell(
-        "qwen2", "speculative", matrix.Target("RoundsFarOtherwise", RoundsFarOtherwise)
+    cell = model_matrix.run_cell(
+        "qwen2", "speculative", model_matrix.Target("RoundsFarOtherwise", RoundsFarOtherwise)
     )
     assert cell.status == "FAIL" and "differ" in cell.detail, cell.short()

@@ -22,8 +22,9 @@ import pytest
 from tqbatch import cli
 from tqbatch.commands import UNCUT_WIDTH, console
 from tqbatch.exitcodes import ExitCode
-from tqbatch.testing import backend, families, golden
+from tqbatch.testing import backend, golden
 from tqbatch.testing.campaign import CampaignResult, _Counter
+from tqbatch.workbench import vlm_families
 
 GOLDEN = golden.DIRECTORY
 SIZE = "16_size_is_written_end_int_at_batch"
@@ -160,7 +161,7 @@ def test_models_summary_is_its_markdown_table(summary):
     text = summary.read_text()
     assert text.startswith("### tqbatch models\n\nexit 5: nothing was checked")
     assert "| family | scenario | tqbatch | BatchKVCache |" in text
-    why = dict(families.SPECS["gemma4"].not_applicable)["speculative"]
+    why = dict(vlm_families.SPECS["gemma4"].not_applicable)["speculative"]
     brief = f"N/A: {why}"[:69] + "…"  # Cell.brief(): the model-family table keeps cells short
     assert f"| gemma4 | speculative | {brief} | {brief} |" in text
 

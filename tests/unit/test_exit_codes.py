@@ -24,8 +24,9 @@ import pytest
 import tqbatch.commands
 from tqbatch import cli
 from tqbatch.exitcodes import HARNESS_MODULES, ExitCode, missing_harness
-from tqbatch.testing import families, golden
+from tqbatch.testing import golden
 from tqbatch.testing.campaign import CampaignResult
+from tqbatch.workbench import vlm_families
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = golden.DIRECTORY
@@ -278,7 +279,7 @@ def test_5_record_and_bench_of_nothing(tmp_path, targets):
 
 
 def test_5_models_where_every_cell_is_not_applicable(capsys):
-    not_applicable = dict(families.SPECS["gemma4"].not_applicable)
+    not_applicable = dict(vlm_families.SPECS["gemma4"].not_applicable)
     args = ["models", "--families", "gemma4", "--scenarios", *not_applicable]
     assert cli.main(args) == ExitCode.NOTHING_CHECKED
     # The table is not cut where stdout is not a terminal (here: captured).

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import BatchTurboQuantKVCache
-from tqbatch.testing.kv_ledger import AttentionLog, KVLedger
+from tqbatch.workbench.kv_ledger import AttentionLog, KVLedger
 
 from .support import normal
 

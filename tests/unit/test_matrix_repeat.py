@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch.testing import matrix
-from tqbatch.testing.matrix import regressions
+from tqbatch.workbench import model_matrix
+from tqbatch.workbench.model_matrix import regressions
 
 FAMILY, SCENARIO = "qwen3", "prefill_decode"
 
@@ -22,31 +22,31 @@ def _runs(monkeypatch, *cells):
 
     def once(family, scenario, target, diagnose=False):
         if diagnose:  # the diagnosis run after a reproduced gap: no attribution here
-            return matrix.Cell(FAMILY, SCENARIO, target.name, "PASS")
+            return model_matrix.Cell(FAMILY, SCENARIO, target.name, "PASS")
         calls.append(1)
         return cells[len(calls) - 1]
 
-    monkeypatch.setattr(matrix, "_run_cell_once", once)
+    monkeypatch.setattr(model_matrix, "_run_cell_once", once)
     return calls
 
 
 def _cell(status, gap, gap_failure=False, target="tqbatch"):
-    return matrix.Cell(FAMILY, SCENARIO, target, status, "", gap, gap_failure=gap_failure)
+    return model_matrix.Cell(FAMILY, SCENARIO, target, status, "", gap, gap_failure=gap_failure)
 
 
-TARGET = matrix.Target("tqbatch", None)
+TARGET = model_matrix.Target("tqbatch", None)
 
 
 def test_a_reproduced_gap_is_a_failure(monkeypatch):
     calls = _runs(monkeypatch, _cell("FAIL", 2.5, True), _cell("FAIL", 2.5, True))
-    cell = matrix.run_cell(FAMILY, SCENARIO, TARGET)
+    cell = model_matrix.run_cell(FAMILY, SCENARIO, TARGET)
     assert (cell.status, len(calls)) == ("FAIL", 2)
 
 
 @pytest.mark.parametrize("second", [_cell("PASS", 1e-5), _cell("FAIL", 1.1, True)])
 def test_a_gap_the_backend_does_not_reproduce_is_no_verdict(monkeypatch, second):
     _runs(monkeypatch, _cell("FAIL", 2.5, True), second)
-    cell = matrix.run_cell(FAMILY, SCENARIO, TARGET)
+    cell = model_matrix.run_cell(FAMILY, SCENARIO, TARGET)
     assert cell.status == "NONDET"
     assert "2.5" in cell.detail and f"{second.gap:.3g}" in cell.detail
     baseline = _cell("PASS", 1e-5, target="BatchKVCache")
@@ -55,5 +55,5 @@ def test_a_gap_the_backend_does_not_reproduce_is_no_verdict(monkeypatch, second)
 
 def test_an_oracle_failure_is_not_run_again(monkeypatch):
     calls = _runs(monkeypatch, _cell("FAIL", 2.5, gap_failure=False))
-    assert matrix.run_cell(FAMILY, SCENARIO, TARGET).status == "FAIL"
+    assert model_matrix.run_cell(FAMILY, SCENARIO, TARGET).status == "FAIL"
     assert len(calls) == 1

@@ -18,8 +18,8 @@ import textwrap
 import tqbatch.workbench.e2e
 from tqbatch.commands import add_impl_argument
 from tqbatch.exitcodes import ExitCode
-from tqbatch.testing import lm_families
 from tqbatch.testing.backend import describe_line
+from tqbatch.workbench import lm_families
 from tqbatch.workbench.e2e import REQUESTS, ModelSpec, ScenarioResult, run_scenario
 
 # What the model-level numbers mean, measured with tqbatch's cache on this
@@ -154,21 +154,21 @@ def _print_model_level(result: ScenarioResult):
 
 def run_family(family: str, impl, backend) -> int:
     """``family`` through mlx-lm's ``BatchGenerator`` under the matrix's cache oracle."""
-    from tqbatch.testing import lm_generator, matrix
     from tqbatch.testing.impl import impl_spec
+    from tqbatch.workbench import batch_generator_scenario, model_matrix
 
-    target = matrix.Target(impl_spec(impl), impl)
+    target = model_matrix.Target(impl_spec(impl), impl)
     print(f"model: mlx-lm {family.removeprefix(lm_families.PREFIX)}, random weights")
     print(f"backend: {describe_line(backend)}")
     print(
-        f"cache: {target.name}, {matrix.BITS:g} bits, seed {matrix.SEED}, on the layers "
-        "mlx-lm's cache rule quantizes (tqbatch.mlx_lm.make_prompt_cache)"
+        f"cache: {target.name}, {model_matrix.BITS:g} bits, seed {model_matrix.SEED}, "
+        "on the layers mlx-lm's cache rule quantizes (tqbatch.mlx_lm.make_prompt_cache)"
     )
     print(
         "serving loop: mlx-lm's BatchGenerator (insert, prefill, extend, remove mid-flight, "
-        f"finish, reinsert its caches), tokens per request {lm_generator.MAX_TOKENS}"
+        f"finish, reinsert its caches), tokens per request {batch_generator_scenario.MAX_TOKENS}"
     )
-    cell = matrix.run_cell(family, "batch_generator", target)
+    cell = model_matrix.run_cell(family, "batch_generator", target)
     print()
     print(
         "cache oracle (the verdict): every quantized layer's batch rows, attention outputs and "

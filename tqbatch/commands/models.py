@@ -1,4 +1,4 @@
-"""``tqbatch models``: the model-family matrix (tqbatch.testing.matrix) for a target cache.
+"""``tqbatch models``: the model-family matrix (tqbatch.workbench.model_matrix) for a target cache.
 
 Prints one row per family and scenario and one column per target: PASS, FAIL
 with the failed check or the logit gap, ERROR with the exception, N/A with
@@ -30,7 +30,7 @@ GROUPS = ("mlx-vlm", "mlx-lm")
 
 
 def register(subparsers) -> None:
-    from tqbatch.testing import families, lm_families, matrix
+    from tqbatch.workbench import lm_families, model_matrix, vlm_families
 
     parser = subparsers.add_parser(
         "models",
@@ -42,26 +42,26 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--families",
         nargs="+",
-        choices=matrix.ALL_FAMILIES + tuple(GROUPS),
+        choices=model_matrix.ALL_FAMILIES + tuple(GROUPS),
         default=["mlx-vlm"],
         metavar="FAMILY",
-        help=f"families to run: mlx-vlm's {', '.join(families.FAMILIES)} (all of them: "
+        help=f"families to run: mlx-vlm's {', '.join(vlm_families.FAMILIES)} (all of them: "
         f"mlx-vlm, the default); mlx-lm's own model classes {', '.join(lm_families.FAMILIES)} "
         "(all of them: mlx-lm)",
     )
     parser.add_argument(
         "--scenarios",
         nargs="+",
-        choices=matrix.ALL_SCENARIOS,
-        default=list(matrix.ALL_SCENARIOS),
+        choices=model_matrix.ALL_SCENARIOS,
+        default=list(model_matrix.ALL_SCENARIOS),
         metavar="SCENARIO",
-        help=f"scenarios to run (default: all of {', '.join(matrix.ALL_SCENARIOS)}; "
+        help=f"scenarios to run (default: all of {', '.join(model_matrix.ALL_SCENARIOS)}; "
         "batch_generator, mlx-lm's BatchGenerator, exists for the mlx-lm: families only)",
     )
     parser.add_argument(
         "--compare",
         nargs="*",
-        default=[matrix.BASELINE],
+        default=[model_matrix.BASELINE],
         metavar="TARGET",
         help="further columns: BatchKVCache (full precision, the default), mlx-vlm "
         "(its BatchTurboQuantKVCache) or MODULE:CLASS",
@@ -74,24 +74,24 @@ def register(subparsers) -> None:
 
 def _families(names) -> list[str]:
     """``names`` with the groups ``mlx-vlm`` and ``mlx-lm`` expanded, each family once."""
-    from tqbatch.testing import families, lm_families
+    from tqbatch.workbench import lm_families, vlm_families
 
-    groups = {"mlx-vlm": families.FAMILIES, "mlx-lm": lm_families.FAMILIES}
+    groups = {"mlx-vlm": vlm_families.FAMILIES, "mlx-lm": lm_families.FAMILIES}
     expanded = [f for name in names for f in groups.get(name, (name,))]
     return list(dict.fromkeys(expanded))
 
 
 def _targets(args):
-    from tqbatch.testing import matrix
     from tqbatch.testing.impl import impl_spec, load_impl
+    from tqbatch.workbench import model_matrix
 
     impl = load_impl(args.impl)
     if args.impl is None and impl.__module__.startswith("tqbatch.cache"):
-        main = matrix.target_for("tqbatch")
+        main = model_matrix.target_for("tqbatch")
     else:
-        main = matrix.Target(impl_spec(impl), impl)
-    names = [matrix.BASELINE] if matrix.BASELINE not in args.compare else []
-    return [main] + [matrix.target_for(n) for n in args.compare + names]
+        main = model_matrix.Target(impl_spec(impl), impl)
+    names = [model_matrix.BASELINE] if model_matrix.BASELINE not in args.compare else []
+    return [main] + [model_matrix.target_for(n) for n in args.compare + names]
 
 
 def markdown(cells, targets) -> str:
@@ -114,14 +114,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
-    from tqbatch.testing import matrix
     from tqbatch.testing.backend import describe_line
+    from tqbatch.workbench import model_matrix
 
     console = make_console(stderr=True)
     args.families = _families(args.families)
     targets = _targets(args)  # a bad target: ImplSpecError, reported by tqbatch.cli
     total = len(targets) * sum(
-        len(set(args.scenarios) & set(matrix.scenarios_for(f))) for f in args.families
+        len(set(args.scenarios) & set(model_matrix.scenarios_for(f))) for f in args.families
     )
     with Progress(
         TextColumn("{task.description}"),
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         def advance(cell):
             progress.update(task, advance=1, description=f"{cell.family} {cell.scenario}")
 
-        cells = matrix.run_matrix(targets, args.families, args.scenarios, progress=advance)
+        cells = model_matrix.run_matrix(targets, args.families, args.scenarios, progress=advance)
 
     if args.markdown:
         print(markdown(cells, targets))
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             table.add_column(target.name, overflow="fold")
         by_key = {(c.family, c.scenario, c.target): c for c in cells}
         for family in args.families:
-            for scenario in [s for s in args.scenarios if s in matrix.scenarios_for(family)]:
+            for scenario in [s for s in args.scenarios if s in model_matrix.scenarios_for(family)]:
                 cells_here = [by_key[family, scenario, t.name] for t in targets]
                 table.add_row(family, scenario, *(c.brief(40) for c in cells_here))
         make_console().print(table)
@@ -157,11 +157,11 @@ def run(args: argparse.Namespace) -> int:
             if cell.status in ("FAIL", "ERROR", "NONDET"):
                 print(f"{cell.target} / {cell.family} / {cell.scenario}: {cell.short()}")
 
-    failed = matrix.regressions(cells, targets[0].name)
+    failed = model_matrix.regressions(cells, targets[0].name)
     for cell in failed:
         console.print(
             f"[red]{cell.target} {cell.status}[/red] in {cell.family} / {cell.scenario}, "
-            f"where {matrix.BASELINE} passes: {cell.detail}"
+            f"where {model_matrix.BASELINE} passes: {cell.detail}"
         )
     if failed:
         code = ExitCode.DEFECT

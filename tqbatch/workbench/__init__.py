@@ -12,4 +12,12 @@ uses neither.
   Qwen2 language model, checked by the cache oracle.
 * ``bench``: ``tqbatch bench``, op and decode-step timings against
   mlx-lm's float16 ``BatchKVCache``.
+* ``model_matrix``: ``tqbatch models``, the cache as a drop-in inside tiny
+  random-weight models of mlx-vlm's (``vlm_families``) and mlx-lm's
+  (``lm_families``) own model classes, under a cache oracle fed from the K/V
+  capture ``kv_ledger``; ``batch_generator_scenario`` drives mlx-lm's
+  ``BatchGenerator`` under that oracle.
+
+Every language model is built here: the harness judges cache operations and
+builds none (``tests/unit/test_import_direction.py`` holds it to that).
 """

@@ -4,7 +4,7 @@ Each family is ``mlx_lm.models.<name>.Model`` of mlx-lm 0.32.2, shrunk to 2
 layers of hidden size 64, head_dim 32, at most 4 query / 2 KV heads and a
 256-token vocabulary, in float32 with seeded weights (nothing downloaded).
 Matrix names carry the prefix ``mlx-lm:`` (``mlx-lm:llama``), so that they
-never read as the mlx-vlm families of ``tqbatch.testing.families``.
+never read as the mlx-vlm families of ``tqbatch.workbench.vlm_families``.
 
 Caches follow mlx-lm's rule, not mlx-vlm's: a request's caches are
 ``tqbatch.mlx_lm.make_prompt_cache`` (the model's own caches, each plain

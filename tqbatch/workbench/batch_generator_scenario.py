@@ -13,7 +13,7 @@ request's alone tokens while the batch is right. Its two model calls
 (``PromptProcessingBatch.prompt`` and ``GenerationBatch._step``) are wrapped
 for the run so that each is one of the matrix server's forwards: every write
 to a target layer feeds the request's reference, every attention call on it
-and every row afterwards is checked (``matrix.Oracle``), and so is every
+and every row afterwards is checked (``model_matrix.Oracle``), and so is every
 cache handed back. Each token must be the request's alone token, and its
 logprobs within ``MODEL_GAP_LIMIT`` of the alone run's.
 """
@@ -43,7 +43,7 @@ REMOVE_STEP = 5  # B is removed after this many
 
 def run(server, requests) -> None:
     """Drive ``server.model`` through mlx-lm's ``BatchGenerator``; raises ``CacheCheck``."""
-    from tqbatch.testing.matrix import BITS, SEED, CacheCheck, _Batch
+    from tqbatch.workbench.model_matrix import BITS, SEED, CacheCheck, _Batch
 
     model, target = server.model, server.target
     keys: dict[int, str] = {}  # BatchGenerator's uid -> the matrix request

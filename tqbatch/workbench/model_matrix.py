@@ -1,7 +1,7 @@
 """The model-family matrix: a batch cache as a drop-in inside mlx-vlm's own model code.
 
 Each cell runs one scenario on one tiny random-weight model of one family
-(``tqbatch.testing.families``) with one *target* batch cache class. Layers get
+(``tqbatch.workbench.vlm_families``) with one *target* batch cache class. Layers get
 their caches by mlx-vlm's own rule (``mlx_vlm.generate.ar._make_cache`` with
 TurboQuant on: the layers it would quantize hold the target; rotating,
 linear-attention and last layers keep mlx-vlm's caches), and the scenario
@@ -43,10 +43,10 @@ caches of the same kinds), and two verdicts are taken:
 Every cell is run for ``BatchKVCache`` too (full precision, mlx-vlm's rule
 with quantization off): where that fails or raises, the limitation is mlx-vlm's.
 
-The ``mlx-lm:`` families (``tqbatch.testing.lm_families``) are mlx-lm's own
+The ``mlx-lm:`` families (``tqbatch.workbench.lm_families``) are mlx-lm's own
 model classes, run the same way under ``tqbatch.mlx_lm.routed()`` with
 mlx-lm's cache rule, plus one more scenario, ``batch_generator``: mlx-lm's
-real ``BatchGenerator`` under the same oracle (``tqbatch.testing.lm_generator``).
+real ``BatchGenerator`` under the same oracle (``tqbatch.workbench.batch_generator_scenario``).
 """
 
 from __future__ import annotations
@@ -72,11 +72,11 @@ from mlx_vlm.turboquant import DEFAULT_TURBOQUANT_SEED, TurboQuantKVCache
 from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatchTurboQuantKVCache
 
 from tqbatch import mlx_lm as tq_mlx_lm
-from tqbatch.testing import families, lm_families
-from tqbatch.testing.kv_ledger import AttentionLog, KVLedger
 from tqbatch.testing.model import causal_mask
 from tqbatch.testing.reference import TurboReferences, to_numpy
 from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, excess_ratios
+from tqbatch.workbench import lm_families, vlm_families
+from tqbatch.workbench.kv_ledger import AttentionLog, KVLedger
 
 __all__ = [
     "ALL_FAMILIES",
@@ -106,7 +106,7 @@ SCENARIOS = (
 # mlx-lm's own serving loop, for mlx-lm's own model classes only.
 LM_SCENARIOS = SCENARIOS + ("batch_generator",)
 ALL_SCENARIOS = LM_SCENARIOS
-ALL_FAMILIES = families.FAMILIES + lm_families.FAMILIES
+ALL_FAMILIES = vlm_families.FAMILIES + lm_families.FAMILIES
 # A gross-error bound on |logits - logits alone|, for what the oracle cannot see
 # (layers the target does not hold). Forward noise that flips TurboQuant codes
 # moved logits by up to 3e-1 with a correct cache (tqbatch.workbench.e2e's docstring, K/V
@@ -148,8 +148,8 @@ class Target:
         if lm_families.is_lm(family):
             return lm_families.batch_caches(model, left_padding, self.cls, BITS, SEED)
         if self.cls is None:
-            return families.make_batch_cache(model, list(left_padding), kv_bits=None)
-        caches = families.make_batch_cache(model, list(left_padding), kv_bits=BITS)
+            return vlm_families.make_batch_cache(model, list(left_padding), kv_bits=None)
+        caches = vlm_families.make_batch_cache(model, list(left_padding), kv_bits=BITS)
         return [
             self.cls(list(left_padding), bits=BITS, seed=SEED)
             if isinstance(c, VlmBatchTurboQuantKVCache)
@@ -162,7 +162,7 @@ class Target:
         ``layers`` for a quantized target."""
         if lm_families.is_lm(family):
             return lm_families.alone_caches(model, layers, self.quantized, BITS, SEED)
-        caches = families.make_single_cache(model)
+        caches = vlm_families.make_single_cache(model)
         if self.quantized:
             for i in layers:
                 caches[i] = TurboQuantKVCache(bits=BITS, seed=SEED)
@@ -205,7 +205,7 @@ class _Request:
 
 
 def _logits(model, tokens: Sequence[Sequence[int]], caches) -> mx.array:
-    logits = families.forward(model, mx.array(tokens, dtype=mx.int32), caches)
+    logits = vlm_families.forward(model, mx.array(tokens, dtype=mx.int32), caches)
     mx.eval(logits)
     return logits
 
@@ -636,14 +636,14 @@ class _Server:
             # a model with its own rollback verifies in one call and rolls back
             # itself; any other in a cache transaction of mlx-vlm's helpers.
             inputs = mx.array(tokens, dtype=mx.int32)
-            kwargs = families.call_kwargs(model, inputs, batch.caches)
+            kwargs = vlm_families.call_kwargs(model, inputs, batch.caches)
             if capture:
                 kwargs["capture_layer_ids"] = [self.layers[0]]
             if callable(getattr(model, "rollback_speculative_cache", None)):
                 output = model(inputs, cache=batch.caches, speculative_verify=True, **kwargs)
-                return families.logits_of(output), getattr(output, "gdn_states", None)
+                return vlm_families.logits_of(output), getattr(output, "gdn_states", None)
             output, state = verify_forward(model, inputs, batch.caches, **kwargs)
-            return families.logits_of(output), state
+            return vlm_families.logits_of(output), state
 
         logits, state = self._forward(
             batch, None, [range(0, block)] * len(batch.rows), "verify", run
@@ -805,8 +805,8 @@ _MODELS: dict[str, object] = {}
 
 
 def spec(family: str):
-    """The family's description: ``families.SPECS`` or ``lm_families.SPECS``."""
-    return (lm_families.SPECS if lm_families.is_lm(family) else families.SPECS)[family]
+    """The family's description: ``vlm_families.SPECS`` or ``lm_families.SPECS``."""
+    return (lm_families.SPECS if lm_families.is_lm(family) else vlm_families.SPECS)[family]
 
 
 def scenarios_for(family: str) -> tuple[str, ...]:
@@ -816,7 +816,7 @@ def scenarios_for(family: str) -> tuple[str, ...]:
 
 def _model(family: str):
     if family not in _MODELS:
-        build = lm_families.build if lm_families.is_lm(family) else families.build
+        build = lm_families.build if lm_families.is_lm(family) else vlm_families.build
         _MODELS[family] = build(family)
     return _MODELS[family]
 
@@ -824,7 +824,7 @@ def _model(family: str):
 def _quantized_layers(family: str, model) -> list[int]:
     if lm_families.is_lm(family):
         return lm_families.quantized_layers(model)
-    return families.quantized_layers(model)
+    return vlm_families.quantized_layers(model)
 
 
 def run_cell(family: str, scenario: str, target: Target) -> Cell:
@@ -891,13 +891,13 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
     try:
         with route:
             for uid in PROMPTS:
-                prompt = _prompt(uid, families.vocab_size(model))
+                prompt = _prompt(uid, vlm_families.vocab_size(model))
                 requests[uid] = _alone_run(model, family, target, layers, uid, prompt, STEPS)
             server = _Server(model, family, target, layers, oracle, diagnose)
             if scenario == "batch_generator":
-                from tqbatch.testing import lm_generator
+                from tqbatch.workbench import batch_generator_scenario
 
-                lm_generator.run(server, requests)
+                batch_generator_scenario.run(server, requests)
             else:
                 _SCENARIO_RUNS[scenario](server, requests)
     except CacheCheck as exc:
@@ -966,7 +966,7 @@ def _gap(requests) -> float | None:
 
 def run_matrix(
     targets: Sequence[Target],
-    family_names: Sequence[str] = families.FAMILIES,
+    family_names: Sequence[str] = vlm_families.FAMILIES,
     scenarios: Sequence[str] = SCENARIOS,
     progress: Callable[[Cell], None] | None = None,
 ) -> list[Cell]:
