@@ -31,7 +31,7 @@ from mlx_vlm.turboquant import (
     _QuantizedStateProxy,
 )
 
-from tqbatch import _codec, _masks, _packed, _validate
+from tqbatch import _codec, _cuda_decode, _masks, _packed, _validate
 
 __all__ = ["BatchTurboQuantKVCache", "BatchableTurboQuantKVCache"]
 
@@ -390,7 +390,7 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         """tqbatch's vectorized attention over the packed state, or None where not served."""
         if keys_state is None or values_state is None:
             keys_state, values_state = self._written()
-        return _codec.attend(
+        args = (
             queries,
             _unwrap(keys_state),
             _unwrap(values_state),
@@ -399,6 +399,10 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             scale,
             mask,
         )
+        # On a CUDA GPU a decode step is one fused kernel (_cuda_decode says
+        # where); None leaves the vectorized ops.
+        out = _cuda_decode.attend(*args)
+        return out if out is not None else _codec.attend(*args)
 
     def decode_attention(self, queries, keys_state=None, values_state=None, scale=1.0, mask=None):
         mask = self._attention_mask(queries, keys_state, mask)
