@@ -8,10 +8,12 @@ with the request run alone therefore mixes forward noise with cache bugs.
 This oracle isolates the cache instead. During every forward it captures
 
 * the ``keys, values`` each quantized layer's cache is handed
-  (``update_and_fetch`` wrapped on the instance, so any cache class works),
-* the queries and output of every attention call of those layers (a spy on
-  the model module's ``scaled_dot_product_attention``, mapped to its layer by
-  the identity of its ``cache`` argument),
+  (``tqbatch.workbench.kv_ledger.KVLedger``, the model matrix's capture too:
+  ``update_and_fetch`` wrapped on the cache's class, recorded per object),
+* the queries and output of every attention call of those layers
+  (``kv_ledger.AttentionLog``: a spy on the model module's
+  ``scaled_dot_product_attention``, matched to a layer by the identity of its
+  ``cache`` argument),
 
 and feeds each row's *real* input columns, as the server laid them out
 (``tqbatch.workbench.serving.ForwardLayout``, never the cache's own idea of its
@@ -26,7 +28,7 @@ compare with it. Then it checks, with the rounding bounds of
 
 * attention: row ``b``'s output on its real query columns against mlx-vlm's
   ``scaled_dot_product_attention`` over the reference's dequantized tokens
-  with a causal mask;
+  with a causal mask (``tqbatch.workbench.reference_attention``);
 * content: whenever the server says the rows are settled, each row's
   dequantized slots ``[left_padding[b], size())`` against the reference's;
 * extract: each extracted single-request cache holds as many tokens as the
@@ -37,26 +39,24 @@ Rollbacks trim the references as the server trims its batch.
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx_vlm.models.base as vlm_base
 import numpy as np
 
-from tqbatch.testing.model import causal_mask
 from tqbatch.testing.reference import TurboReferences, to_numpy
-from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, excess_ratios
+from tqbatch.testing.tolerances import content_tolerance, excess_ratios
+from tqbatch.workbench.cache_rows import read_row, read_rows, read_single
+from tqbatch.workbench.kv_ledger import AttentionLog, KVLedger
+from tqbatch.workbench.reference_attention import attention_operands, reference_attention
 from tqbatch.workbench.serving import ForwardLayout, ServerObserver
 
 __all__ = [
-    "AttentionSpy",
     "CacheCheckFailed",
     "CacheOracle",
-    "KVTap",
     "OracleFailure",
     "RequestChecks",
     "attention_module_of",
@@ -112,76 +112,6 @@ def attention_module_of(model):
     return module
 
 
-class KVTap:
-    """Records the ``(keys, values)`` handed to one cache's ``update_and_fetch``.
-
-    Wraps the method on the instance (set now, removed by ``remove``), so it
-    works for any cache class. Calls the cache makes to itself from inside
-    ``update_and_fetch`` are not recorded twice.
-    """
-
-    def __init__(self, cache):
-        self.cache = cache
-        self.calls: list[tuple[mx.array, mx.array]] = []
-        self._shadowed = vars(cache).get("update_and_fetch")
-        original = cache.update_and_fetch
-        depth = 0
-
-        def update_and_fetch(keys, values, *args, **kwargs):
-            nonlocal depth
-            if depth == 0:
-                self.calls.append((keys, values))
-            depth += 1
-            try:
-                return original(keys, values, *args, **kwargs)
-            finally:
-                depth -= 1
-
-        cache.update_and_fetch = update_and_fetch
-
-    def remove(self):
-        if self._shadowed is not None:
-            self.cache.update_and_fetch = self._shadowed
-        else:
-            del self.cache.update_and_fetch
-
-
-@dataclass(frozen=True)
-class AttentionCall:
-    queries: mx.array
-    output: mx.array
-    scale: float
-
-
-class AttentionSpy:
-    """Records queries, output and scale of attention calls on the given caches.
-
-    Replaces ``module.scaled_dot_product_attention`` until ``remove``;
-    ``layer_of`` maps ``id(cache)`` to a layer index, and calls on other
-    caches (the dense layers) pass through unrecorded.
-    """
-
-    def __init__(self, module, layer_of: dict[int, int]):
-        self.module = module
-        self.original = module.scaled_dot_product_attention
-        self.calls: dict[int, list[AttentionCall]] = {}
-        signature = inspect.signature(self.original)
-
-        def spy(*args, **kwargs):
-            output = self.original(*args, **kwargs)
-            arguments = signature.bind(*args, **kwargs).arguments
-            layer = layer_of.get(id(arguments.get("cache")))
-            if layer is not None:
-                call = AttentionCall(arguments["queries"], output, float(arguments["scale"]))
-                self.calls.setdefault(layer, []).append(call)
-            return output
-
-        module.scaled_dot_product_attention = spy
-
-    def remove(self):
-        self.module.scaled_dot_product_attention = self.original
-
-
 @dataclass
 class _AttentionCheck:
     uid: str
@@ -192,21 +122,6 @@ class _AttentionCheck:
     scale: float
     want: mx.array | None = None  # (Hq, N, D): attention over the reference
     mask: np.ndarray | None = None  # (N, T)
-
-
-def _read_row(cache, row: int) -> tuple[np.ndarray, np.ndarray]:
-    """Row ``row``'s (H, T, D) keys and values as a batch or single cache holds them."""
-    keys, values = (to_numpy(x) for x in cache.dequantize())
-    if not hasattr(cache, "left_padding"):
-        return keys[0], values[0]
-    start, end = _ints(cache.left_padding)[row], int(cache.size())
-    return keys[row, :, start:end], values[row, :, start:end]
-
-
-def _ints(x) -> list[int]:
-    if isinstance(x, mx.array):
-        x = np.array(x)
-    return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
 
 
 class CacheCheckFailed(Exception):
@@ -254,18 +169,14 @@ class CacheOracle(ServerObserver):
         self.forwards += 1
         where = f"forward {self.forwards} ({layout.kind})"
         layer_caches = {i: caches[i] for i in self.layers}
-        taps = {i: KVTap(c) for i, c in layer_caches.items()}
-        spy = AttentionSpy(self.module, {id(c): i for i, c in layer_caches.items()})
-        try:
+        ledger = KVLedger(tuple({type(c) for c in layer_caches.values()}))
+        with ledger, AttentionLog([self.module]) as attention:
             yield
-        finally:
-            spy.remove()
-            for tap in taps.values():
-                tap.remove()
         # Only reached when the forward returned: a crash propagates as is.
         checks = []
         for layer in self.layers:
-            kv_calls, attention_calls = taps[layer].calls, spy.calls.get(layer, [])
+            cache = layer_caches[layer]
+            kv_calls, attention_calls = ledger.writes_to(cache), attention.calls_on(cache)
             if len(kv_calls) != 1 or len(attention_calls) != 1:
                 detail = (
                     f"update_and_fetch ran {len(kv_calls)} times and attention "
@@ -310,7 +221,7 @@ class CacheOracle(ServerObserver):
             cache, length = caches[layer], self.references[layer].length(uid)
             try:
                 held = 0 if cache.keys is None else int(cache.offset)
-                got = cache.dequantize() if held else None
+                got = read_single(cache) if held else None
             except Exception as exc:  # a broken cache may fail to be read
                 self._fail("extract", uid, layer, where, f"reading it raised {exc!r}")
                 continue
@@ -318,7 +229,8 @@ class CacheOracle(ServerObserver):
                 detail = f"holds {held} tokens, the request has {length}"
                 self._fail("extract", uid, layer, where, detail)
                 continue
-            self._compare_content("extract", uid, layer, where, [to_numpy(g[0]) for g in got])
+            if got is not None:
+                self._compare_content("extract", uid, layer, where, got)
 
     def _feed(self, layout: ForwardLayout, layer: int, kv, call) -> list[_AttentionCheck]:
         """Feed each row's real columns to its reference; the attention checks to make."""
@@ -343,35 +255,20 @@ class CacheOracle(ServerObserver):
         ]
 
     def _reference_attention(self, c: _AttentionCheck) -> tuple[mx.array, np.ndarray]:
-        """mlx-vlm's attention of the row's queries over its reference, causally (lazy);
-        returns the (Hq, N, D) output and the (N, T) mask used."""
+        """The row's reference attention (lazy) and the (N, T) mask used."""
         ref_keys, ref_values = self.references[c.layer].dequantized(c.uid)
-        n, length = c.queries.shape[2], ref_keys.shape[1]
-        mask = causal_mask(n, length - n, [0])  # a lone, unpadded request
-        # Over the dequantized tokens: what its attention over a TurboQuantKVCache
-        # computes, by another float32 route, which attention_tolerance covers.
-        out = vlm_base.scaled_dot_product_attention(
-            c.queries,
-            mx.array(ref_keys[None]).astype(c.queries.dtype),
-            mx.array(ref_values[None]).astype(c.queries.dtype),
-            cache=None,
-            scale=c.scale,
-            mask=mx.array(mask),
-        )
-        return out[0], mask[0, 0]
+        return reference_attention(c.queries, ref_keys, ref_values, c.scale)
 
     def _attention_operands(self, c: _AttentionCheck):
         ref_keys, ref_values = self.references[c.layer].dequantized(c.uid)
-        queries = to_numpy(c.queries)[0]
-        tol = attention_tolerance(queries, ref_keys, ref_values, c.mask, c.scale)
-        return to_numpy(c.got), to_numpy(c.want), tol
+        return attention_operands(c.queries, c.got, c.want, ref_keys, ref_values, c.mask, c.scale)
 
     def _check_attention(self, c: _AttentionCheck, cache, where: str):
         got, want, tol = self._attention_operands(c)
         # A wrong output shape is _record's to report, not a rounding question.
         ratios = excess_ratios(got, want, tol) if got.shape == want.shape else None
         if ratios is not None and (ratios > 1.0).any():
-            if self._admit(c.uid, c.layer, lambda: _read_row(cache, c.row)):
+            if self._admit(c.uid, c.layer, lambda: read_row(cache, c.row)):
                 c.want, c.mask = self._reference_attention(c)
                 got, want, tol = self._attention_operands(c)
                 ratios = excess_ratios(got, want, tol)
@@ -379,9 +276,7 @@ class CacheOracle(ServerObserver):
 
     def _check_rows(self, uids: Sequence[str], layer: int, cache, where: str):
         try:
-            keys, values = cache.dequantize()
-            left_padding, end = _ints(cache.left_padding), int(cache.size())
-            keys, values = to_numpy(keys), to_numpy(values)
+            keys, values, left_padding = read_rows(cache)
         except Exception as exc:
             self._fail("content", None, layer, where, f"reading the batch cache raised {exc!r}")
             return
@@ -394,7 +289,7 @@ class CacheOracle(ServerObserver):
             return
         for row, uid in enumerate(uids):
             start = left_padding[row]
-            got = (keys[row, :, start:end], values[row, :, start:end])
+            got = (keys[row, :, start:], values[row, :, start:])
             self._compare_content("content", uid, layer, where, got)
 
     def _compare_content(self, kind: str, uid: str, layer: int, where: str, got):

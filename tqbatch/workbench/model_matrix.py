@@ -61,7 +61,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import mlx_vlm.models.base as vlm_base
 import numpy as np
 from mlx_lm.models import cache as lm_cache
 from mlx_vlm.generate.ar import _extend_cache
@@ -72,11 +71,12 @@ from mlx_vlm.turboquant import DEFAULT_TURBOQUANT_SEED, TurboQuantKVCache
 from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatchTurboQuantKVCache
 
 from tqbatch import mlx_lm as tq_mlx_lm
-from tqbatch.testing.model import causal_mask
 from tqbatch.testing.reference import TurboReferences, to_numpy
-from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, excess_ratios
+from tqbatch.testing.tolerances import content_tolerance, excess_ratios
 from tqbatch.workbench import lm_families, vlm_families
+from tqbatch.workbench.cache_rows import FULL_PRECISION_BATCHES, read_row, read_rows, read_single
 from tqbatch.workbench.kv_ledger import AttentionLog, KVLedger
+from tqbatch.workbench.reference_attention import attention_operands, reference_attention
 
 __all__ = [
     "ALL_FAMILIES",
@@ -115,7 +115,6 @@ ALL_FAMILIES = vlm_families.FAMILIES + lm_families.FAMILIES
 # here: 0.705 (mlx-vlm's rotating window cache after a verify block, gpt_oss).
 MODEL_GAP_LIMIT = 0.5
 
-_FULL_PRECISION_BATCHES = (lm_cache.BatchKVCache, vlm_cache.BatchKVCache)
 _ROTATING = (lm_cache.BatchRotatingKVCache, vlm_cache.BatchRotatingKVCache)
 _WATCHED = (
     TurboQuantKVCache,
@@ -250,37 +249,6 @@ class RequestVerdict:
     gap: float | None = None
 
 
-def _read_rows(cache) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """(B, H, T, D) float32 keys and values of the written slots, and the left padding."""
-    if isinstance(cache, _FULL_PRECISION_BATCHES):
-        end = int(cache._idx)
-        keys, values = cache.keys[..., :end, :], cache.values[..., :end, :]
-    else:
-        keys, values = cache.dequantize()
-    padding = [int(p) for p in np.array(cache.left_padding).reshape(-1).tolist()]
-    return to_numpy(keys.astype(mx.float32)), to_numpy(values.astype(mx.float32)), padding
-
-
-def _read_single(cache) -> tuple[np.ndarray, np.ndarray]:
-    """(H, T, D) float32 keys and values of a single-request cache."""
-    if cache.keys is None or int(cache.offset) == 0:
-        return None
-    if isinstance(cache, TurboQuantKVCache):
-        keys, values = cache.dequantize()
-    else:
-        n = int(cache.offset)
-        keys, values = cache.keys[..., :n, :], cache.values[..., :n, :]
-    return to_numpy(keys.astype(mx.float32))[0], to_numpy(values.astype(mx.float32))[0]
-
-
-def _read_row(cache, index: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Row ``index``'s (H, T, D) keys and values as a batch or single cache holds them."""
-    if hasattr(cache, "left_padding"):
-        keys, values, padding = _read_rows(cache)
-        return keys[index, :, padding[index] :], values[index, :, padding[index] :]
-    return _read_single(cache)
-
-
 class Oracle:
     """Per request and target layer, the K/V the batch handed it; checks of the target rows.
 
@@ -376,33 +344,19 @@ class Oracle:
 
     def _attention_ratio(self, uid, layer, queries, got, call, quantized: bool) -> float:
         ref_keys, ref_values = self.want(uid, layer, quantized)
-        n = queries.shape[2]
-        mask = causal_mask(n, ref_keys.shape[1] - n, [0], self.windows.get(layer))
-        # mlx-vlm's full-precision attention over the reference's dequantized
-        # tokens: what its attention over a TurboQuantKVCache computes, by
-        # another float32 route, which the bound below covers.
-        want = vlm_base.scaled_dot_product_attention(
-            queries,
-            mx.array(ref_keys[None]).astype(queries.dtype),
-            mx.array(ref_values[None]).astype(queries.dtype),
-            cache=None,
-            scale=call.scale,
-            mask=mx.array(mask),
-            sinks=call.sinks,
+        want, mask = reference_attention(
+            queries, ref_keys, ref_values, call.scale, call.sinks, self.windows.get(layer)
         )
-        q = to_numpy(queries.astype(mx.float32))[0]
-        # The bound has no sink term: a sink only adds to the softmax denominator,
-        # shrinking every weight, so the bound without it stays an upper bound.
-        tol = attention_tolerance(q, ref_keys, ref_values, mask[0, 0], call.scale)
-        mine, theirs = to_numpy(got.astype(mx.float32)), to_numpy(want.astype(mx.float32))[0]
-        return _ratio(mine, theirs, tol)
+        return _ratio(
+            *attention_operands(queries, got, want, ref_keys, ref_values, mask, call.scale)
+        )
 
     # -------- checks
 
     def check_batch(self, uids: Sequence[str], caches: list, where: str):
         for layer in self.layers:
             try:
-                keys, values, padding = _read_rows(caches[layer])
+                keys, values, padding = read_rows(caches[layer])
             except Exception as exc:
                 raise CacheCheck(
                     f"layer {layer}, {where}: reading the batch raised {exc!r}"
@@ -419,7 +373,7 @@ class Oracle:
     def check_single(self, uid: str, caches: list, where: str):
         for layer in self.layers:
             try:
-                got = _read_single(caches[layer])
+                got = read_single(caches[layer])
             except Exception as exc:
                 raise CacheCheck(f"layer {layer}, {where}: reading it raised {exc!r}") from exc
             self._compare(got, uid, layer, f"layer {layer}, {where}")
@@ -485,7 +439,7 @@ class _Server:
         # Diagnosing a failed cell: the sliding-window layers' caches are watched too.
         self.diagnose = diagnose
         watched = _WATCHED + target_class + (_ROTATING if diagnose else ())
-        self.ledger = KVLedger(watched, _FULL_PRECISION_BATCHES + target_class)
+        self.ledger = KVLedger(watched, FULL_PRECISION_BATCHES + target_class)
         self.forwards = 0
 
     # -------- one forward, and what it wrote
@@ -537,7 +491,7 @@ class _Server:
                     call,
                     quantized,
                     f"layer {layer}, row {row} ({uid}), {where}",
-                    read_row=lambda cache=cache, index=index: _read_row(cache, index),
+                    read_row=lambda cache=cache, index=index: read_row(cache, index),
                 )
 
     def _attribute(self, batch: _Batch, before, layer: int, real, where: str):
