@@ -256,3 +256,178 @@ def test_kernel_source_compiles_for_hopper(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+# The kernels' source run on the CPU: one std::thread per CUDA thread, a
+# barrier per block for __syncthreads and per warp for the shuffles, shared
+# memory as function statics (blocks run one after another). This checks the
+# kernels' logic (tiling, online softmax, split merge, strided reads of token
+# slices) where no GPU is; the GPU test above checks the real thing.
+_EMULATION = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <thread>
+#include <vector>
+struct Dim { int x = 0, y = 0, z = 0; };
+thread_local Dim threadIdx, blockIdx;
+Dim gridDim;
+std::barrier<>* block_barrier;
+std::vector<std::barrier<>*> warp_barriers;
+float shuffle[1024];
+void __syncthreads() { block_barrier->arrive_and_wait(); }
+float __shfl_xor_sync(unsigned, float v, int o) {
+  const int t = threadIdx.x, w = t >> 5;
+  shuffle[t] = v;
+  warp_barriers[w]->arrive_and_wait();
+  const float r = shuffle[(w << 5) | ((t & 31) ^ o)];
+  warp_barriers[w]->arrive_and_wait();
+  return r;
+}
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __grid_constant__
+#define __shared__ static
+struct __half { float f; };
+inline float __half2float(__half h) { return h.f; }
+using std::max;
+using std::min;
+struct Shape { int32_t v[10]; int32_t operator[](int i) const { return v[i]; } };
+struct Strides { int64_t v[10]; int64_t operator[](int i) const { return v[i]; } };
+template <typename F>
+void launch(Dim grid, int threads, F body) {
+  gridDim = grid;
+  for (int z = 0; z < grid.z; ++z)
+  for (int y = 0; y < grid.y; ++y)
+  for (int x = 0; x < grid.x; ++x) {
+    std::barrier<> bar(threads);
+    block_barrier = &bar;
+    std::vector<std::barrier<>*> warps;
+    for (int w = 0; w < (threads + 31) / 32; ++w) warps.push_back(new std::barrier<>(32));
+    warp_barriers = warps;
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] { threadIdx = {t, 0, 0}; blockIdx = {x, y, z}; body(); });
+    for (auto& th : pool) th.join();
+    for (auto* w : warps) delete w;
+  }
+}
+template <typename T>
+std::vector<T> load(const char* path, size_t n) {
+  std::vector<T> v(n);
+  FILE* f = fopen(path, "rb");
+  if (fread(v.data(), sizeof(T), n, f) != n) { fprintf(stderr, "short %s\n", path); }
+  fclose(f);
+  return v;
+}
+"""
+
+
+def _strides(shape):
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.insert(0, acc)
+        acc *= n
+    return "Strides{{" + ", ".join(map(str, out)) + "}}"
+
+
+def _emulate(tmp_path, queries, full_keys, full_values, kc, vc, scale, starts, T):
+    """Run the two kernels' source on the CPU; returns the (B, Hkv, G, Dv) rotated output."""
+    B, n_q, _, dim = queries.shape
+    n_kv = full_keys.norms.shape[1]
+    group, dv = n_q // n_kv, vc.dim
+    q = kc._rotate_forward((queries * scale).astype(mx.float32).reshape(B, n_kv, group, dim))
+    splits = _cuda_decode._splits(B * n_kv, T)
+    arrays = {
+        "q": (np.array(q, np.float32), "float"),
+        "kw": (np.array(full_keys.indices, np.uint32), "uint32_t"),
+        "kn": (np.array(full_keys.norms.astype(mx.float32), np.float32), "__half"),
+        "vw": (np.array(full_values.indices, np.uint32), "uint32_t"),
+        "vn": (np.array(full_values.norms.astype(mx.float32), np.float32), "__half"),
+        "kcb": (np.array(kc.codebook, np.float32), "float"),
+        "vcb": (np.array(vc.codebook, np.float32), "float"),
+        "starts": (np.asarray(starts, np.int32), "int32_t"),
+    }
+    consts = [("DK", dim), ("DV", dv), ("KB", kc.bits), ("VB", vc.bits), ("G", group)]
+    consts.append(("NT", _cuda_decode._THREADS))
+    outputs = [("pacc", "float"), ("pm", "float"), ("pl", "float")]
+    code = _EMULATION + _cuda_decode._HEADER
+    code += _signature(
+        "partial", [(k, t) for k, (_, t) in arrays.items()], outputs, _cuda_decode._PARTIAL, consts
+    )
+    combine_consts = [("DV", dv), ("S", splits)]
+    code += _signature(
+        "combine", outputs, [("out", "float")], _cuda_decode._COMBINE, combine_consts
+    )
+    rows = B * n_kv * group
+    main = ["int main() {"]
+    call = []
+    for name, (a, ctype) in arrays.items():
+        path = tmp_path / f"{name}.bin"
+        a.tofile(path)
+        elem = "__half" if ctype == "__half" else ctype
+        main.append(f'  auto {name} = load<{elem}>("{path}", {a.size});')
+        call.append(f"{name}.data()")
+        if name + "_shape" in _cuda_decode._PARTIAL:
+            shape = list(a.shape)
+            shape[2] = T  # a token slice of the buffer: its own length, the buffer's strides
+            call.append("Shape{{" + ", ".join(map(str, shape)) + "}}")
+        if name + "_strides" in _cuda_decode._PARTIAL:
+            call.append(_strides(a.shape))
+    main += [
+        f"  std::vector<float> pacc({rows * splits * dv}), pm({rows * splits}), "
+        f"pl({rows * splits}), out({rows * dv});",
+        f"  launch({{{splits}, {n_kv}, {B}}}, {_cuda_decode._THREADS}, [&] {{ "
+        f"partial({', '.join(call)}, pacc.data(), pm.data(), pl.data()); }});",
+        f"  launch({{{rows}, 1, 1}}, {32 * -(-dv // 32)}, [&] {{ "
+        "combine(pacc.data(), pm.data(), pl.data(), out.data()); });",
+        f'  FILE* f = fopen("{tmp_path / "out.bin"}", "wb");',
+        "  fwrite(out.data(), sizeof(float), out.size(), f);",
+        "  fclose(f);",
+        "}",
+    ]
+    src = tmp_path / "emulate.cpp"
+    src.write_text(code + "\n".join(main) + "\n")
+    exe = tmp_path / "emulate"
+    build = subprocess.run(
+        ["g++", "-std=c++20", "-O1", "-pthread", "-w", str(src), "-o", str(exe)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-4000:]
+    subprocess.run([str(exe)], check=True, timeout=300)
+    out = np.fromfile(tmp_path / "out.bin", np.float32).reshape(B, n_kv, group, dv)
+    return np.array(vc._rotate_inverse(mx.array(out)).reshape(B, n_q, 1, dv))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20) to run the source")
+@pytest.mark.parametrize(
+    ("B", "n_kv", "group", "dim", "key_bits", "value_bits", "T", "starts"),
+    [
+        (2, 2, 3, 64, 3, 5, 300, [0, 201]),  # 3 splits, one row padded past two of them
+        (1, 1, 8, 128, 4, 8, 130, [129]),  # a lone live token, tile tail
+        (2, 1, 1, 128, 7, 2, 5, [0, 2]),
+    ],
+)
+def test_kernel_source_emulated_on_cpu_matches_vectorized_path(
+    tmp_path, B, n_kv, group, dim, key_bits, value_bits, T, starts
+):
+    rng = np.random.default_rng(T)
+    spare = 3
+    keys, values, kc, vc = _states(rng, B, n_kv, T + spare, dim, key_bits, value_bits, spare=0)
+    cut = lambda s: type(s)(*(a[:, :, :T] for a in s))  # noqa: E731
+    queries = mx.array(rng.standard_normal((B, n_kv * group, 1, dim)).astype(np.float16))
+    scale = dim**-0.5
+    mask = CausalRows(mx.array(starts, dtype=mx.int32), T - 1)
+    want = np.array(_codec.attend_plain(queries, cut(keys), cut(values), kc, vc, scale, mask))
+    got = _emulate(tmp_path, queries, keys, values, kc, vc, scale, starts, T)
+    # The same float32 query (scaled in float16 first), attended without the final rounding.
+    prescaled = (queries * scale).astype(mx.float32)
+    want32 = np.array(_codec.attend_plain(prescaled, cut(keys), cut(values), kc, vc, 1.0, mask))
+    # float32 against float32 (before the final float16 rounding): reordered sums only.
+    assert np.abs(got - want32).max() <= 1e-4 * max(1.0, np.abs(want32).max())
+    assert np.abs(got.astype(np.float16).astype(np.float32) - want.astype(np.float32)).max() < 5e-3
