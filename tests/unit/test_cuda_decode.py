@@ -431,3 +431,20 @@ def test_kernel_source_emulated_on_cpu_matches_vectorized_path(
     # float32 against float32 (before the final float16 rounding): reordered sums only.
     assert np.abs(got - want32).max() <= 1e-4 * max(1.0, np.abs(want32).max())
     assert np.abs(got.astype(np.float16).astype(np.float32) - want.astype(np.float32)).max() < 5e-3
+
+
+def test_bench_table_reports_each_path_against_float16(monkeypatch):
+    from tqbatch.workbench import bench
+
+    g = bench.DECODE_KERNEL.geometries()[1]  # B=8, 4096 tokens, 4 bits
+    table = bench.decode_kernel_table(
+        [bench.KernelRow(g, 0.0006, 0.002, 0.0007), bench.KernelRow(g, None, 0.002, 0.0007)]
+    )
+    assert "| 8 | 4096 | 4 | 0.60 | 2.00 | 0.70 | 0.86 | 2.86 | 3.33x |" in table
+    assert "| 8 | 4096 | 4 | n/a | 2.00 | 0.70 | n/a | 2.86 | n/a |" in table
+    # Each path's run sets the mode for its own call only.
+    monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")
+    seen = []
+    case = bench.Case("decode", "target", g, tuple, lambda: seen.append(_cuda_decode.mode()))
+    bench._under_mode(case, "vectorized").run()
+    assert seen == ["vectorized"] and _cuda_decode.mode() == "auto"

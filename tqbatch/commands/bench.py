@@ -68,11 +68,41 @@ def register(subparsers) -> None:
         "D=128), with the bytes each side must read; with --full: B 1 and 8, contexts "
         "512, 4096 and 16384, bits 4 and 8 (default: B=8, 512 tokens, 4 bits)",
     )
+    parser.add_argument(
+        "--kernel",
+        action="store_true",
+        help="with --decode: the decode step under the fused CUDA kernel, the vectorized "
+        "path and float16 BatchKVCache, in one run (B=8, bits 4 and 8, contexts 1024, 4096 "
+        "and 32768; without --full on a machine with no CUDA GPU: 512 tokens, 4 bits)",
+    )
     parser.add_argument("--plot", metavar="OUT.png", help="also plot op cost against context")
     parser.set_defaults(func=run)
 
 
+def _decode_kernel(args, impl, name, progress) -> int:
+    from tqbatch import _cuda_decode
+
+    full = args.full or _cuda_decode.available()
+    grid = bench.DECODE_KERNEL if full else bench.DECODE_KERNEL_SMALL
+    if args.rounds is not None:
+        grid = dataclasses.replace(grid, rounds=args.rounds)
+    rows = bench.compare_decode_kernel(grid, impl=impl, progress=progress)
+    table = bench.decode_kernel_table(rows)
+    print(f"backend: {describe_line(args.backend)}")
+    print(
+        f"target: {name}; median of {grid.rounds} rounds, paths interleaved; fused and "
+        "vectorized: TQBATCH_DECODE_KERNEL; float16: mlx-lm's BatchKVCache + SDPA"
+    )
+    print()
+    print(table)
+    step_summary(f"### tqbatch bench --decode --kernel\n\n{name}\n\n{table}")
+    return ExitCode.OK
+
+
 def run(args) -> int:
+    if args.kernel and not args.decode:
+        print("tqbatch bench: --kernel times the decode step; add --decode", file=sys.stderr)
+        return ExitCode.USAGE
     if args.decode and args.plot:
         print("tqbatch bench: --plot draws the op table; drop it with --decode", file=sys.stderr)
         return ExitCode.USAGE
@@ -110,6 +140,8 @@ def run(args) -> int:
         parameters = dataclasses.replace(parameters, rounds=args.rounds)
         grid = dataclasses.replace(grid, rounds=args.rounds)
     progress = lambda what: print(f"timing {what}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.decode and args.kernel:
+        return _decode_kernel(args, impl, name, progress)
     if args.decode:
         rows = bench.compare_decode(grid, impl=impl, progress=progress)
         print(f"backend: {describe_line(args.backend)}")

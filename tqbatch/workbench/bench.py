@@ -550,6 +550,97 @@ def compare_decode(
     return rows
 
 
+# The fused CUDA decode kernel beside tqbatch's vectorized path and float16:
+# B = 8, 32 query heads over 8 KV heads, D = 128, at 1k, 4k and 32k tokens.
+DECODE_KERNEL = ParameterSet(
+    "decode-kernel", (8,), 8, 128, (1024, 4096, 32768), (4, 8), rounds=10, query_heads=32
+)
+# Small enough for a CPU (where only the vectorized path and float16 run).
+DECODE_KERNEL_SMALL = ParameterSet(
+    "decode-kernel-small", (8,), 8, 128, (512,), (4,), rounds=3, query_heads=32
+)
+KERNEL_ENV = "TQBATCH_DECODE_KERNEL"
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    """A decode step's seconds on each path, measured in one run, rounds interleaved."""
+
+    geometry: Geometry
+    fused: float | None  # None where the kernel cannot run (no CUDA GPU)
+    vectorized: float
+    float16: float
+
+
+def _under_mode(case: Case, mode: str) -> Case:
+    """``case`` with its timed run under ``TQBATCH_DECODE_KERNEL=mode`` (read at call time)."""
+
+    def run(*args):
+        before = os.environ.get(KERNEL_ENV)
+        os.environ[KERNEL_ENV] = mode
+        try:
+            return case.run(*args)
+        finally:
+            if before is None:
+                os.environ.pop(KERNEL_ENV, None)
+            else:
+                os.environ[KERNEL_ENV] = before
+
+    return dataclasses.replace(case, side=f"{case.side}:{mode}", run=run)
+
+
+def compare_decode_kernel(
+    grid: ParameterSet, impl: type | None = None, progress: Callable[[str], None] | None = None
+) -> list[KernelRow]:
+    """Time a decode step (mask, write, attend) under the fused kernel, the vectorized
+    path and float16 ``BatchKVCache`` for each geometry; the fused side only where MLX's
+    default device is CUDA."""
+    from tqbatch import _cuda_decode
+
+    impl = impl or load_impl()
+    fused_ok = _cuda_decode.available()
+    rows = []
+    for geometry in grid.geometries():
+        workload = Workload(geometry, impl=impl)
+        target = workload.case("decode", "target")
+        cases = [_under_mode(target, "vectorized"), workload.case("decode", "baseline")]
+        if fused_ok:
+            cases.insert(0, _under_mode(target, "fused"))
+        for case in cases:  # warm up: kernels compiled, codec tables built
+            case.run(*case.setup())
+        if progress:
+            progress(f"decode paths {geometry.label}")
+        samples = [[_time_once(case) for case in cases] for _ in range(grid.rounds)]
+        medians = [statistics.median(side) for side in zip(*samples)]
+        fused = medians.pop(0) if fused_ok else None
+        rows.append(KernelRow(geometry, fused, *medians))
+        del workload, cases, target
+        gc.collect()
+    return rows
+
+
+def decode_kernel_table(rows: Sequence[KernelRow]) -> str:
+    """The three decode paths as a markdown table of milliseconds and ratios to float16."""
+    lines = [
+        "| B | context | bits | fused (ms) | vectorized (ms) | float16 (ms) | fused / float16 "
+        "| vectorized / float16 | fused speed-up |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        g = r.geometry
+        if r.fused is None:
+            fused = ratio = speedup = "n/a"
+        else:
+            fused = _ms(r.fused)
+            ratio = f"{r.fused / r.float16:.2f}"
+            speedup = f"{r.vectorized / r.fused:.2f}x"
+        lines.append(
+            f"| {g.batch} | {g.context} | {g.bits} | {fused} | {_ms(r.vectorized)} | "
+            f"{_ms(r.float16)} | {ratio} | {r.vectorized / r.float16:.2f} | {speedup} |"
+        )
+    return "\n".join(lines)
+
+
 def packed_bytes_read(geometry: Geometry) -> float:
     """The floor of bytes a decode step reads from a TurboQuant cache: every slot's packed
     codes and float16 norm, keys and values (66 B per token and head at 4 bits, D = 128)."""
