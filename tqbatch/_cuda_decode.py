@@ -168,6 +168,9 @@ def _fused(queries, keys, values, key_codec, value_codec, scale, mask):
 # dims and bits compile-time constants, every word index and shift below folds
 # to a constant and a key row's words live in registers.
 _HEADER = r"""
+// NVRTC has no math.h, so no INFINITY macro: -inf from its bits.
+#define TQ_NEG_INF (-__int_as_float(0x7f800000))
+
 template <int BITS>
 __device__ __forceinline__ uint32_t tq_code(const uint32_t* words, int i) {
   const int bit = i * BITS;
@@ -226,15 +229,16 @@ _PARTIAL = r"""
   }
   for (int i = tid; i < (1 << KB); i += NT) kcb_s[i] = kcb[i];
   for (int i = tid; i < (1 << VB); i += NT) vcb_s[i] = vcb[i];
-  if (tid < G) m_s[tid] = -INFINITY;
+  if (tid < G) m_s[tid] = TQ_NEG_INF;
 
   // Live tokens of this split: the row's left padding is masked out; the
   // query's own token (T - 1) is always live.
   const int chunk = ((T + S - 1) / S + NT - 1) / NT * NT;
   int start = starts[b * starts_strides[0]];
   start = start < 0 ? 0 : (start > T - 1 ? T - 1 : start);
-  const int lo = max(split * chunk, start);
-  const int hi = min((split + 1) * chunk, T);
+  // (Ternaries, not min/max: those overloads differ between NVRTC's headers.)
+  const int lo = split * chunk > start ? split * chunk : start;
+  const int hi = (split + 1) * chunk < T ? (split + 1) * chunk : T;
 
   const long kn_base = (long)b * kn_strides[0] + (long)h * kn_strides[1];
   const long kw_base = (long)b * kw_strides[0] + (long)h * kw_strides[1];
@@ -275,12 +279,12 @@ _PARTIAL = r"""
       for (int g = 0; g < G; ++g) s[g] *= n;
     }
     #pragma unroll
-    for (int g = 0; g < G; ++g) p_s[g][tid] = live ? s[g] : -INFINITY;
+    for (int g = 0; g < G; ++g) p_s[g][tid] = live ? s[g] : TQ_NEG_INF;
     __syncthreads();
 
     // Each head's tile max, then its new running max and the rescale factor.
     for (int g = warp; g < G; g += NW) {
-      float v = -INFINITY;
+      float v = TQ_NEG_INF;
       for (int j = lane; j < NT; j += 32) v = fmaxf(v, p_s[g][j]);
       v = tq_warp_max(v);
       if (lane == 0) {
@@ -306,7 +310,7 @@ _PARTIAL = r"""
     if (tid < DV) {
       #pragma unroll
       for (int g = 0; g < G; ++g) acc[g] *= alpha_s[g];
-      const int n = min(NT, hi - t0);
+      const int n = hi - t0 < NT ? hi - t0 : NT;
       for (int j = 0; j < n; ++j) {
         const long row = vw_base + (long)(t0 + j) * vw_strides[2];
         uint32_t x = vw[row + (long)vword * vw_strides[3]] >> voff;
@@ -346,11 +350,11 @@ _COMBINE = r"""
   if (d >= DV) return;
   const float* m = pm + (long)r * S;
   const float* l = pl + (long)r * S;
-  float top = -INFINITY;
+  float top = TQ_NEG_INF;
   for (int s = 0; s < S; ++s) top = fmaxf(top, m[s]);
   float num = 0.f, den = 0.f;
   for (int s = 0; s < S; ++s) {
-    const float w = m[s] == -INFINITY ? 0.f : expf(m[s] - top);
+    const float w = m[s] == TQ_NEG_INF ? 0.f : expf(m[s] - top);
     num = fmaf(w, pacc[((long)r * S + s) * DV + d], num);
     den = fmaf(w, l[s], den);
   }

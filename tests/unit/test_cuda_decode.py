@@ -269,6 +269,7 @@ _EMULATION = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <thread>
 #include <vector>
 struct Dim { int x = 0, y = 0, z = 0; };
@@ -291,6 +292,7 @@ float __shfl_xor_sync(unsigned, float v, int o) {
 #define __global__
 #define __grid_constant__
 #define __shared__ static
+inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, sizeof f); return f; }
 struct __half { float f; };
 inline float __half2float(__half h) { return h.f; }
 using std::max;
