@@ -121,8 +121,8 @@ def test_cache_decode_step_takes_kernel_under_auto(monkeypatch):
     cache.update_and_fetch(k, k)
     q = mx.array(rng.standard_normal((2, 4, 1, 64)).astype(np.float16))
     step = mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float16))
+    mask = cache.make_mask(1)  # model order: the mask before the write
     ks, vs = cache.update_and_fetch(step, step)
-    mask = cache.make_mask(1)
     calls = []
     fused = _cuda_decode._fused
     monkeypatch.setattr(_cuda_decode, "_fused", lambda *a: calls.append(1) or fused(*a))
@@ -173,6 +173,34 @@ def test_off_cuda_the_cache_decodes_on_the_vectorized_path(monkeypatch):
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "fused")
     with pytest.raises(RuntimeError, match="fused"):
         cache.decode_attention(q, ks, vs, scale=0.125, mask=None)
+
+
+def test_a_cache_decode_step_reaches_the_kernel_with_its_rows_where_available(monkeypatch):
+    # The dispatch alone, on any device: "available" is pretended, the kernel
+    # recorded (and the vectorized path answers for it).
+    monkeypatch.setattr(_cuda_decode, "available", lambda: True)
+    calls = []
+
+    def record(queries, keys, values, kc, vc, scale, mask):
+        calls.append(mask)
+        return _codec.attend_plain(queries, keys, values, kc, vc, scale, mask)
+
+    monkeypatch.setattr(_cuda_decode, "_fused", record)
+    monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")
+    cache = BatchTurboQuantKVCache([2, 0], bits=4)
+    rng = np.random.default_rng(2)
+    k = mx.array(rng.standard_normal((2, 2, 5, 64)).astype(np.float16))
+    cache.update_and_fetch(k, k)
+    mask = cache.make_mask(1)
+    step = mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float16))
+    ks, vs = cache.update_and_fetch(step, step)
+    q = mx.array(rng.standard_normal((2, 4, 1, 64)).astype(np.float16))
+    cache.decode_attention(q, ks, vs, scale=0.125, mask=mask)
+    assert len(calls) == 1 and isinstance(calls[0], CausalRows)
+    assert calls[0].starts.tolist() == [2, 0] and calls[0].offset == 5
+    # Two queries per row (not a decode step) stay on the vectorized path.
+    cache.decode_attention(mx.concatenate([q, q], axis=2), ks, vs, scale=0.125, mask=None)
+    assert len(calls) == 1
 
 
 def test_mode_is_read_at_call_time_and_checked(monkeypatch):
