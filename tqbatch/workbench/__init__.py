@@ -8,9 +8,11 @@ uses neither.
 * ``serving``: a continuous-batching server loop over mlx-vlm model code.
 * ``cache_oracle``: per-request references checked against the caches that
   loop drives.
-* ``kv_ledger``, ``cache_rows``, ``reference_attention``: what both oracles
-  (``cache_oracle`` and ``model_matrix``'s) share: the K/V and attention
-  capture, the reader of a cache's rows, and a row's reference attention.
+* ``request_oracle``: the one request oracle both judges are built on
+  (``cache_oracle.CacheOracle`` and ``model_matrix.Oracle``), with what it
+  uses: ``kv_ledger`` (the K/V and attention capture), ``cache_rows`` (the
+  reader of a cache's rows) and ``reference_attention`` (a row's reference
+  attention).
 * ``e2e``: ``tqbatch e2e``, continuous batching through a random-weight
   Qwen2 language model, checked by the cache oracle.
 * ``bench``: ``tqbatch bench``, op and decode-step timings against

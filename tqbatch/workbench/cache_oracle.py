@@ -34,7 +34,9 @@ compare with it. Then it checks, with the rounding bounds of
 * extract: each extracted single-request cache holds as many tokens as the
   reference and the same dequantized content.
 
-Rollbacks trim the references as the server trims its batch.
+Rollbacks trim the references as the server trims its batch. The references
+and the checks are ``tqbatch.workbench.request_oracle.RequestOracle``'s, the
+model matrix's too; this module follows the server's hooks.
 """
 
 from __future__ import annotations
@@ -42,16 +44,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
-from tqbatch.testing.reference import TurboReferences, to_numpy
-from tqbatch.testing.tolerances import content_tolerance, excess_ratios
-from tqbatch.workbench.cache_rows import read_row, read_rows, read_single
+from tqbatch.testing.reference import to_numpy
+from tqbatch.workbench.cache_rows import read_row
 from tqbatch.workbench.kv_ledger import AttentionLog, KVLedger
-from tqbatch.workbench.reference_attention import attention_operands, reference_attention
+from tqbatch.workbench.request_oracle import OracleFailure, RequestChecks, RequestOracle
 from tqbatch.workbench.serving import ForwardLayout, ServerObserver
 
 __all__ = [
@@ -61,43 +60,6 @@ __all__ = [
     "RequestChecks",
     "attention_module_of",
 ]
-
-
-@dataclass(frozen=True)
-class OracleFailure:
-    """One check a cache failed.
-
-    ``kind``: "content", "attention", "extract", or "capture" (a layer's
-    cache was not handed its K/V exactly once, or attention never ran on it).
-    """
-
-    kind: str
-    uid: str | None
-    layer: int | None
-    where: str
-    detail: str
-
-    def sentence(self) -> str:
-        who = f"request {self.uid}" if self.uid is not None else "the batch"
-        layer = f", layer {self.layer}" if self.layer is not None else ""
-        return f"{self.kind}: {who}{layer}, {self.where}: {self.detail}"
-
-
-@dataclass
-class RequestChecks:
-    """How many checks one request passed through, and the worst |got - want| / tolerance."""
-
-    content: int = 0
-    attention: int = 0
-    extract: int = 0
-    worst_content: float = 0.0
-    worst_attention: float = 0.0
-    worst_extract: float = 0.0
-
-    def add(self, kind: str, ratio: float):
-        setattr(self, kind, getattr(self, kind) + 1)
-        worst = f"worst_{kind}"
-        setattr(self, worst, max(getattr(self, worst), ratio))
 
 
 def attention_module_of(model):
@@ -112,23 +74,11 @@ def attention_module_of(model):
     return module
 
 
-@dataclass
-class _AttentionCheck:
-    uid: str
-    layer: int
-    row: int  # the request's row in the cache that served the call
-    queries: mx.array  # (1, Hq, N, D): the row's real query columns
-    got: mx.array  # (Hq, N, D): the batch's output there
-    scale: float
-    want: mx.array | None = None  # (Hq, N, D): attention over the reference
-    mask: np.ndarray | None = None  # (N, T)
-
-
 class CacheCheckFailed(Exception):
     """Raised from an observer hook to end the run at the first failed check."""
 
 
-class CacheOracle(ServerObserver):
+class CacheOracle(RequestOracle, ServerObserver):
     """Follows a ``ContinuousBatcher`` (as its observer) and checks its quantized layers.
 
     Args:
@@ -152,14 +102,9 @@ class CacheOracle(ServerObserver):
         quantized_layers: Sequence[int],
         stop_at_first_failure: bool = False,
     ):
+        super().__init__(quantized_layers, bits=bits, seed=seed)
         self.stop_at_first_failure = stop_at_first_failure
         self.module = attention_module_of(model)
-        self.bits, self.seed = bits, seed
-        self.layers = tuple(quantized_layers)
-        # Per layer, every request's reference (a TurboQuantKVCache's tokens).
-        self.references = {layer: TurboReferences(bits=bits, seed=seed) for layer in self.layers}
-        self.checks: dict[str, RequestChecks] = {}
-        self.failures: list[OracleFailure] = []
         self.forwards = 0
 
     # ------------------------------------------------------------ observer hooks
@@ -173,179 +118,53 @@ class CacheOracle(ServerObserver):
         with ledger, AttentionLog([self.module]) as attention:
             yield
         # Only reached when the forward returned: a crash propagates as is.
-        checks = []
-        for layer in self.layers:
-            cache = layer_caches[layer]
+        for layer, cache in layer_caches.items():
             kv_calls, attention_calls = ledger.writes_to(cache), attention.calls_on(cache)
             if len(kv_calls) != 1 or len(attention_calls) != 1:
                 detail = (
                     f"update_and_fetch ran {len(kv_calls)} times and attention "
                     f"{len(attention_calls)} times in one forward, not once each"
                 )
-                self._fail("capture", None, layer, where, detail)
+                self.fail("capture", None, layer, where, detail)
                 continue
-            checks += self._feed(layout, layer, kv_calls[0], attention_calls[0])
-        for c in checks:
-            c.want, c.mask = self._reference_attention(c)
-        # One evaluation for every output, batch and reference (CPU time).
-        mx.eval([a for c in checks for a in (c.got, c.want, c.queries)])
-        for c in checks:
-            self._check_attention(c, layer_caches[c.layer], where)
+            self._check_forward(layout, layer, cache, kv_calls[0], attention_calls[0], where)
         self._stop_if_failed()
-
-    @property
-    def admitted(self) -> int:
-        """Tokens whose reference took the cache's other rounding choice (``_admit``)."""
-        return sum(refs.admitted for refs in self.references.values())
 
     def settled(self, uids: Sequence[str], caches: list):
         where = f"after forward {self.forwards}"
         for layer in self.layers:
-            self._check_rows(uids, layer, caches[layer], where)
+            self.check_rows(uids, layer, caches[layer], where)
         self._stop_if_failed()
 
     def rolled_back(self, uids: Sequence[str], n: int):
         for uid in uids:
-            for layer in self.layers:
-                self.references[layer].trim(uid, n)
+            self.drop_last(uid, n)
 
     def extracted(self, uid: str, caches: list):
-        self.check_single_caches(uid, caches, f"extract after forward {self.forwards}")
+        self.check_single(uid, caches, f"extract after forward {self.forwards}")
         self._stop_if_failed()
 
     # ------------------------------------------------------------ checks
 
-    def check_single_caches(self, uid: str, caches: list, where: str):
-        """Single-request caches (one per layer) hold exactly request ``uid``'s reference."""
-        for layer in self.layers:
-            cache, length = caches[layer], self.references[layer].length(uid)
-            try:
-                held = 0 if cache.keys is None else int(cache.offset)
-                got = read_single(cache) if held else None
-            except Exception as exc:  # a broken cache may fail to be read
-                self._fail("extract", uid, layer, where, f"reading it raised {exc!r}")
-                continue
-            if held != length:
-                detail = f"holds {held} tokens, the request has {length}"
-                self._fail("extract", uid, layer, where, detail)
-                continue
-            if got is not None:
-                self._compare_content("extract", uid, layer, where, got)
-
-    def _feed(self, layout: ForwardLayout, layer: int, kv, call) -> list[_AttentionCheck]:
-        """Feed each row's real columns to its reference; the attention checks to make."""
+    def _check_forward(self, layout: ForwardLayout, layer: int, cache, kv, call, where: str):
+        """Feed each row's real columns to its reference, then check its attention."""
         keys, values = (to_numpy(a.astype(mx.float32)) for a in kv)
         rows = list(enumerate(zip(layout.uids, layout.real)))
-        self.references[layer].append_rows(
-            [
-                (uid, keys[row, :, real.start : real.stop], values[row, :, real.start : real.stop])
-                for row, (uid, real) in rows
-            ]
-        )
-        return [
-            _AttentionCheck(
+        fed = [
+            (uid, keys[row, :, r.start : r.stop], values[row, :, r.start : r.stop])
+            for row, (uid, r) in rows
+        ]
+        self.feed_rows(layer, fed)
+        for row, (uid, real) in rows:
+            self.check_attention(
                 uid,
                 layer,
-                row,
                 call.queries[row : row + 1, :, real.start : real.stop],
                 call.output[row, :, real.start : real.stop],
                 call.scale,
+                where,
+                read_row=lambda row=row: read_row(cache, row),
             )
-            for row, (uid, real) in rows
-        ]
-
-    def _reference_attention(self, c: _AttentionCheck) -> tuple[mx.array, np.ndarray]:
-        """The row's reference attention (lazy) and the (N, T) mask used."""
-        ref_keys, ref_values = self.references[c.layer].dequantized(c.uid)
-        return reference_attention(c.queries, ref_keys, ref_values, c.scale)
-
-    def _attention_operands(self, c: _AttentionCheck):
-        ref_keys, ref_values = self.references[c.layer].dequantized(c.uid)
-        return attention_operands(c.queries, c.got, c.want, ref_keys, ref_values, c.mask, c.scale)
-
-    def _check_attention(self, c: _AttentionCheck, cache, where: str):
-        got, want, tol = self._attention_operands(c)
-        # A wrong output shape is _record's to report, not a rounding question.
-        ratios = excess_ratios(got, want, tol) if got.shape == want.shape else None
-        if ratios is not None and (ratios > 1.0).any():
-            if self._admit(c.uid, c.layer, lambda: read_row(cache, c.row)):
-                c.want, c.mask = self._reference_attention(c)
-                got, want, tol = self._attention_operands(c)
-                ratios = excess_ratios(got, want, tol)
-        self._record("attention", c.uid, c.layer, where, got, want, tol, ratios=ratios)
-
-    def _check_rows(self, uids: Sequence[str], layer: int, cache, where: str):
-        try:
-            keys, values, left_padding = read_rows(cache)
-        except Exception as exc:
-            self._fail("content", None, layer, where, f"reading the batch cache raised {exc!r}")
-            return
-        if len(left_padding) != len(uids) or keys.shape[0] != len(uids):
-            detail = (
-                f"{keys.shape[0]} rows and {len(left_padding)} left paddings for "
-                f"{len(uids)} requests"
-            )
-            self._fail("content", None, layer, where, detail)
-            return
-        for row, uid in enumerate(uids):
-            start = left_padding[row]
-            got = (keys[row, :, start:], values[row, :, start:])
-            self._compare_content("content", uid, layer, where, got)
-
-    def _compare_content(self, kind: str, uid: str, layer: int, where: str, got):
-        want = self.references[layer].dequantized(uid)
-        for name, mine, theirs in zip(("keys", "values"), got, want):
-            shape = None if theirs is None else theirs.shape
-            if mine.shape != shape:
-                detail = f"{name} have shape (H, T, D) {mine.shape}, the reference {shape}"
-                self._fail(kind, uid, layer, where, detail)
-                return  # the values would say the same
-
-        def judged(want):
-            tols = [content_tolerance(t) for t in want]
-            return tols, [excess_ratios(m, t, tol) for m, t, tol in zip(got, want, tols)]
-
-        tols, ratios = judged(want)
-        if any((r > 1.0).any() for r in ratios) and self._admit(uid, layer, lambda: got):
-            want = self.references[layer].dequantized(uid)
-            tols, ratios = judged(want)
-        for name, mine, theirs, tol, r in zip(("keys", "values"), got, want, tols, ratios):
-            self._record(kind, uid, layer, where, mine, theirs, tol, name, ratios=r)
-
-    def _admit(self, uid: str, layer: int, read) -> bool:
-        """Where a check failed: let the reference take the cache's tokens (``read()``:
-        the request's (H, T, D) keys and values as the cache holds them) where they
-        differ from it only as float rounding allows a correct quantizer
-        (``TurboReferences.admit_rounding``); later checks compare with them.
-        Returns whether any token was taken."""
-        try:
-            got = read()
-        except Exception:  # a broken cache may fail to be read: the check fails as it was
-            return False
-        return self.references[layer].admit_rounding_row(uid, *got)
-
-    def _record(self, kind, uid, layer, where, got, want, tol, name="outputs", ratios=None):
-        """Count one check of ``got`` against ``want`` (``ratios``: their excess ratios,
-        if the caller has them), and fail it past ``tol``."""
-        if got.shape != want.shape:
-            detail = f"{name} have shape {got.shape}, the reference {want.shape}"
-            self._fail(kind, uid, layer, where, detail)
-            return
-        ratios = excess_ratios(got, want, tol) if ratios is None else ratios
-        ratio = float(ratios.max()) if ratios.size else 0.0
-        self.checks.setdefault(uid, RequestChecks()).add(kind, ratio)
-        if not ratio <= 1.0:
-            at = np.unravel_index(np.argmax(ratios), ratios.shape)
-            diff = abs(float(got[at]) - float(want[at]))
-            bound = float(np.broadcast_to(tol, ratios.shape)[at])
-            detail = (
-                f"{name} differ from the reference by up to {ratio:.3g}x the tolerance "
-                f"(|diff| {diff:.3g} > {bound:.3g} at {tuple(int(i) for i in at)})"
-            )
-            self._fail(kind, uid, layer, where, detail)
-
-    def _fail(self, kind, uid, layer, where, detail):
-        self.failures.append(OracleFailure(kind, uid, layer, where, detail))
 
     def _stop_if_failed(self):
         if self.stop_at_first_failure and self.failures:

@@ -460,7 +460,7 @@ def _resume(model, oracle: CacheOracle, finished, result: ScenarioResult) -> mx.
         where = f"resuming request {request.uid} from its extracted caches"
         result.problems.append(OracleFailure("crash", request.uid, None, where, repr(exc)))
         return None
-    oracle.check_single_caches(request.uid, finished.caches, "after resuming")
+    oracle.check_single(request.uid, finished.caches, "after resuming")
     return logits
 
 

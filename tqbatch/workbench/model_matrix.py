@@ -71,12 +71,11 @@ from mlx_vlm.turboquant import DEFAULT_TURBOQUANT_SEED, TurboQuantKVCache
 from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatchTurboQuantKVCache
 
 from tqbatch import mlx_lm as tq_mlx_lm
-from tqbatch.testing.reference import TurboReferences, to_numpy
-from tqbatch.testing.tolerances import content_tolerance, excess_ratios
+from tqbatch.testing.reference import to_numpy
 from tqbatch.workbench import lm_families, vlm_families
-from tqbatch.workbench.cache_rows import FULL_PRECISION_BATCHES, read_row, read_rows, read_single
+from tqbatch.workbench.cache_rows import FULL_PRECISION_BATCHES, read_row
 from tqbatch.workbench.kv_ledger import AttentionLog, KVLedger
-from tqbatch.workbench.reference_attention import attention_operands, reference_attention
+from tqbatch.workbench.request_oracle import RequestChecks, RequestOracle
 
 __all__ = [
     "ALL_FAMILIES",
@@ -249,171 +248,25 @@ class RequestVerdict:
     gap: float | None = None
 
 
-class Oracle:
-    """Per request and target layer, the K/V the batch handed it; checks of the target rows.
-
-    For a quantized target each layer's references are a ``TurboReferences``
-    (a ``TurboQuantKVCache`` of the same bits and seed per request, by
-    tokens), so that where a target row holds another code or float16 norm
-    that float rounding lets a correct quantizer choose (on a GPU one
-    coordinate in tens of thousands sits on a codebook midpoint), the
-    reference takes it (``admit``) and every later check compares with it.
-    """
+class Oracle(RequestOracle):
+    """The matrix's request oracle: ``RequestOracle`` for one target, raising
+    ``CacheCheck`` at the first failed check, with each layer's batch cache class
+    (``classes``) to name it where the check fails."""
 
     def __init__(self, target: Target, layers: Sequence[int]):
+        super().__init__(layers, bits=BITS, seed=SEED, quantized=target.quantized)
         self.target = target
-        self.layers = tuple(layers)
-        self.tokens: dict[tuple[str, int], list[tuple[np.ndarray, np.ndarray]]] = {}
-        self.refs = {layer: TurboReferences(bits=BITS, seed=SEED) for layer in self.layers}
-        self.checks = 0
-        self.worst = 0.0
-        self.per_request: dict[str, RequestVerdict] = {}
-        # Diagnosis only: sliding-window layers whose attention is also checked, against
-        # the plain tokens with the window's mask (layer -> window), and every layer's
-        # batch cache class, to name it where the check fails.
-        self.windows: dict[int, int] = {}
         self.classes: dict[int, str] = {}
-
-    @property
-    def admitted(self) -> int:
-        """Tokens whose reference took a target's other rounding choice."""
-        return sum(refs.admitted for refs in self.refs.values())
-
-    # -------- feeding
-
-    def feed(self, uid: str, layer: int, keys: np.ndarray, values: np.ndarray):
-        """Append (H, n, D) keys and values to request ``uid``'s reference at ``layer``."""
-        if keys.shape[1]:
-            self.tokens.setdefault((uid, layer), []).append((keys, values))
-            if self.target.quantized and layer in self.refs:
-                self.refs[layer].append(uid, keys, values)
-
-    def drop_last(self, uid: str, n: int):
-        """Forget request ``uid``'s last ``n`` tokens at every layer (a rolled-back tail)."""
-        if n <= 0:
-            return
-        for layer in self.layers + tuple(self.windows):
-            if (uid, layer) not in self.tokens:
-                continue
-            keys, values = self._concat(uid, layer)
-            self.tokens[uid, layer] = [
-                (keys[:, : keys.shape[1] - n], values[:, : values.shape[1] - n])
-            ]
-            if self.target.quantized and layer in self.refs:
-                self.refs[layer].trim(uid, n)
-
-    def _concat(self, uid, layer):
-        parts = self.tokens.get((uid, layer), [])
-        if not parts:
-            return None
-        return tuple(np.concatenate([p[i] for p in parts], axis=1) for i in range(2))
-
-    def want(self, uid: str, layer: int, quantized: bool | None = None):
-        """The reference's (H, T, D) keys and values: the tokens, quantized if the target is
-        (or if ``quantized`` says the cache object checked is)."""
-        quantized = self.target.quantized if quantized is None else quantized
-        if not quantized or layer in self.windows:
-            return self._concat(uid, layer)
-        keys, values = self.refs[layer].dequantized(uid)
-        return None if keys is None else (keys, values)
-
-    def admit(self, uid: str, layer: int, got) -> bool:
-        """Let the reference take ``got``'s tokens ((H, T, D) keys and values a target
-        holds for the request) where they differ from it only as rounding allows
-        (``TurboReferences.admit_rounding``). Returns whether any token was taken."""
-        if not self.target.quantized or got is None:
-            return False
-        return self.refs[layer].admit_rounding_row(uid, *got)
-
-    def check_attention(
-        self, uid, layer, queries, got, call, quantized: bool, where: str, read_row=None
-    ):
-        """A row's attention output on its real query columns, against mlx-vlm's attention
-        over the request's reference with a causal mask (the same scale and sinks).
-
-        ``quantized`` says which reference the cache object that served the call
-        must match: a TurboQuant one, or the plain tokens (qwen3_5 prefills rows
-        of an empty batch in full-precision KVCaches). ``read_row()`` reads the
-        row as that cache holds it, for ``admit`` where the output differs.
-        """
-        ratio = self._attention_ratio(uid, layer, queries, got, call, quantized)
-        if ratio > 1.0 and quantized and read_row is not None:
-            if self.admit(uid, layer, read_row()):
-                ratio = self._attention_ratio(uid, layer, queries, got, call, quantized)
-        self._record(uid, ratio, f"{where}: attention output differs")
-
-    def _attention_ratio(self, uid, layer, queries, got, call, quantized: bool) -> float:
-        ref_keys, ref_values = self.want(uid, layer, quantized)
-        want, mask = reference_attention(
-            queries, ref_keys, ref_values, call.scale, call.sinks, self.windows.get(layer)
-        )
-        return _ratio(
-            *attention_operands(queries, got, want, ref_keys, ref_values, mask, call.scale)
-        )
-
-    # -------- checks
 
     def check_batch(self, uids: Sequence[str], caches: list, where: str):
         for layer in self.layers:
-            try:
-                keys, values, padding = read_rows(caches[layer])
-            except Exception as exc:
-                raise CacheCheck(
-                    f"layer {layer}, {where}: reading the batch raised {exc!r}"
-                ) from exc
-            if keys.shape[0] != len(uids) or len(padding) != len(uids):
-                raise CacheCheck(
-                    f"layer {layer}, {where}: {keys.shape[0]} rows and {len(padding)} left "
-                    f"paddings for {len(uids)} requests"
-                )
-            for row, uid in enumerate(uids):
-                got = keys[row, :, padding[row] :], values[row, :, padding[row] :]
-                self._compare(got, uid, layer, f"layer {layer}, row {row} ({uid}), {where}")
+            self.check_rows(
+                uids, layer, caches[layer], where, label=lambda row, uid: f"row {row} ({uid})"
+            )
 
-    def check_single(self, uid: str, caches: list, where: str):
-        for layer in self.layers:
-            try:
-                got = read_single(caches[layer])
-            except Exception as exc:
-                raise CacheCheck(f"layer {layer}, {where}: reading it raised {exc!r}") from exc
-            self._compare(got, uid, layer, f"layer {layer}, {where}")
-
-    def _compare(self, got, uid, layer, where):
-        want = self.want(uid, layer)
-        if want is None or got is None:
-            n_got = 0 if got is None else got[0].shape[1]
-            n_want = 0 if want is None else want[0].shape[1]
-            if n_got != n_want:
-                raise CacheCheck(f"{where}: holds {n_got} tokens, the request has {n_want}")
-            return
-        for name, mine, theirs in zip(("keys", "values"), got, want):
-            if mine.shape != theirs.shape:
-                raise CacheCheck(
-                    f"{where}: {name} (H, T, D) {mine.shape}, the request's {theirs.shape}"
-                )
-        ratios = [_ratio(m, t, content_tolerance(t)) for m, t in zip(got, want)]
-        if max(ratios) > 1.0 and self.admit(uid, layer, got):
-            want = self.want(uid, layer)
-            ratios = [_ratio(m, t, content_tolerance(t)) for m, t in zip(got, want)]
-        for name, ratio in zip(("keys", "values"), ratios):
-            self._record(uid, ratio, f"{where}: {name} differ")
-
-    def _record(self, uid: str, ratio: float, what: str):
-        """Count one check of request ``uid``; raise ``CacheCheck`` if ``ratio`` (of the
-        tolerance) is past 1."""
-        self.checks += 1
-        self.worst = max(self.worst, ratio)
-        verdict = self.per_request.setdefault(uid, RequestVerdict(uid))
-        verdict.checks += 1
-        verdict.worst = max(verdict.worst, ratio)
-        if not ratio <= 1.0:
-            raise CacheCheck(f"{what} from the request's by {ratio:.3g}x the tolerance")
-
-
-def _ratio(mine: np.ndarray, theirs: np.ndarray, tol) -> float:
-    """The largest ``|mine - theirs| / tol`` (``excess_ratios``: inf where NaN, never <= 1)."""
-    ratios = excess_ratios(mine, theirs, tol)
-    return float(ratios.max()) if ratios.size else 0.0
+    def fail(self, kind, uid, layer, where, detail):
+        super().fail(kind, uid, layer, where, detail)
+        raise CacheCheck(self.failures[-1].by_layer())
 
 
 # ---------------------------------------------------------------- the server
@@ -466,10 +319,9 @@ class _Server:
             # blocks longer than 2): in order, the calls make up the block.
             width = max(cols.stop for _, cols in rows)
             if not calls or sum(c.queries.shape[2] for c in calls) != width:
-                raise CacheCheck(
-                    f"layer {layer}, {where}: attention on this cache covered "
-                    f"{[c.queries.shape[2] for c in calls]} query columns, not {width}"
-                )
+                covered = [c.queries.shape[2] for c in calls]
+                detail = f"attention on this cache covered {covered} query columns, not {width}"
+                self.oracle.fail("capture", None, layer, where, detail)
             call = calls[0]
             if len(calls) > 1:
                 call = dataclasses.replace(
@@ -488,9 +340,10 @@ class _Server:
                     layer,
                     q,
                     got,
-                    call,
-                    quantized,
-                    f"layer {layer}, row {row} ({uid}), {where}",
+                    call.scale,
+                    f"row {row} ({uid}), {where}",
+                    sinks=call.sinks,
+                    quantized=quantized,
                     read_row=lambda cache=cache, index=index: read_row(cache, index),
                 )
 
@@ -500,41 +353,38 @@ class _Server:
         if after is before:
             writes = self.ledger.writes_to(after)
             if len(writes) != 1:
-                raise CacheCheck(
-                    f"layer {layer}, {where}: the batch cache was handed K/V {len(writes)} "
-                    "times in one forward, not once"
-                )
+                n = len(writes)
+                detail = f"the batch cache was handed K/V {n} times in one forward, not once"
+                self.oracle.fail("capture", None, layer, where, detail)
             keys, values = (to_numpy(a.astype(mx.float32)) for a in writes[0])
-            for row, (req, cols) in enumerate(zip(batch.rows, real)):
-                self.oracle.feed(
-                    req.uid,
-                    layer,
-                    keys[row, :, cols.start : cols.stop],
-                    values[row, :, cols.start : cols.stop],
-                )
+            self.oracle.feed_rows(
+                layer,
+                [
+                    (req.uid, keys[row, :, c.start : c.stop], values[row, :, c.start : c.stop])
+                    for row, (req, c) in enumerate(zip(batch.rows, real))
+                ],
+            )
             quantized = self.target.quantized and layer not in self.oracle.windows
             return [(after, list(enumerate(real)), quantized)]
         # The model replaced the cache: it ran rows alone and merged them (qwen3_5).
         record = self.ledger.merge_into(after)
         if record is None or len(record.members) != B:
-            raise CacheCheck(
-                f"layer {layer}, {where}: the model replaced the batch cache with a "
-                f"{type(after).__name__} no merge of {B} rows produced"
+            detail = (
+                f"the model replaced the batch cache with a {type(after).__name__} "
+                f"no merge of {B} rows produced"
             )
+            self.oracle.fail("capture", None, layer, where, detail)
         for row, (req, member, cols) in enumerate(zip(batch.rows, record.members, real)):
             writes = self.ledger.writes_to(member)
             keys = [to_numpy(k.astype(mx.float32))[0] for k, _ in writes]
             values = [to_numpy(v.astype(mx.float32))[0] for _, v in writes]
             n = sum(k.shape[1] for k in keys)
             if n != len(cols):
-                raise CacheCheck(
-                    f"layer {layer}, {where}: row {row} was run alone on {n} tokens, "
-                    f"it has {len(cols)} real ones"
-                )
+                detail = f"row {row} was run alone on {n} tokens, it has {len(cols)} real ones"
+                self.oracle.fail("capture", None, layer, where, detail)
             if n:
-                self.oracle.feed(
-                    req.uid, layer, np.concatenate(keys, axis=1), np.concatenate(values, axis=1)
-                )
+                rows = [(req.uid, np.concatenate(keys, axis=1), np.concatenate(values, axis=1))]
+                self.oracle.feed_rows(layer, rows)
         # Each member served its row alone: all of its query columns are real.
         return [
             (member, [(row, range(0, len(cols)))], isinstance(member, TurboQuantKVCache))
@@ -862,7 +712,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
             "FAIL",
             attributed(str(exc), oracle),
             _gap(requests),
-            oracle.checks,
+            oracle.total_checks,
             time.perf_counter() - start,
             admitted=oracle.admitted,
             requests=_verdicts(requests, oracle),
@@ -880,7 +730,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
             "ERROR",
             detail,
             _gap(requests),
-            oracle.checks,
+            oracle.total_checks,
             time.perf_counter() - start,
             admitted=oracle.admitted,
             requests=_verdicts(requests, oracle),
@@ -896,7 +746,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
         status,
         detail,
         gap,
-        oracle.checks,
+        oracle.total_checks,
         time.perf_counter() - start,
         gap_failure=status == "FAIL",
         admitted=oracle.admitted,
@@ -907,9 +757,9 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
 def _verdicts(requests, oracle: Oracle) -> tuple[RequestVerdict, ...]:
     out = []
     for uid, req in requests.items():
-        verdict = dataclasses.replace(oracle.per_request.get(uid, RequestVerdict(uid)))
-        verdict.tokens, verdict.gap = req.fed, max(req.gaps, default=None)
-        out.append(verdict)
+        checks = oracle.checks.get(uid, RequestChecks())
+        gap = max(req.gaps, default=None)
+        out.append(RequestVerdict(uid, checks.total, checks.worst, req.fed, gap))
     return tuple(out)
 
 
