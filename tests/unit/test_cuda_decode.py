@@ -203,9 +203,25 @@ def test_a_cache_decode_step_reaches_the_kernel_with_its_rows_where_available(mo
     assert len(calls) == 1
 
 
+def test_by_default_a_decode_step_does_not_take_the_kernel_even_on_cuda(monkeypatch):
+    # Opt-in until the kernel has passed its equivalence property on a GPU.
+    monkeypatch.setattr(_cuda_decode, "available", lambda: True)
+    monkeypatch.setattr(_cuda_decode, "_fused", lambda *a: pytest.fail("kernel reached"))
+    monkeypatch.delenv("TQBATCH_DECODE_KERNEL", raising=False)
+    cache = BatchTurboQuantKVCache([2, 0], bits=4)
+    rng = np.random.default_rng(2)
+    k = mx.array(rng.standard_normal((2, 2, 5, 64)).astype(np.float16))
+    cache.update_and_fetch(k, k)
+    mask = cache.make_mask(1)
+    step = mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float16))
+    ks, vs = cache.update_and_fetch(step, step)
+    q = mx.array(rng.standard_normal((2, 4, 1, 64)).astype(np.float16))
+    mx.eval(cache.decode_attention(q, ks, vs, scale=0.125, mask=mask))
+
+
 def test_mode_is_read_at_call_time_and_checked(monkeypatch):
     monkeypatch.delenv("TQBATCH_DECODE_KERNEL", raising=False)
-    assert _cuda_decode.mode() == "auto"
+    assert _cuda_decode.mode() == "vectorized"  # opt-in until verified on a GPU
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "Vectorized")
     assert _cuda_decode.mode() == "vectorized"
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "fast")
