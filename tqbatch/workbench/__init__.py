@@ -10,9 +10,9 @@ uses neither.
   loop drives.
 * ``request_oracle``: the one request oracle both judges are built on
   (``cache_oracle.CacheOracle`` and ``model_matrix.Oracle``), with what it
-  uses: ``kv_ledger`` (the K/V and attention capture), ``cache_rows`` (the
-  reader of a cache's rows) and ``reference_attention`` (a row's reference
-  attention).
+  uses: ``forward_capture`` (one forward's K/V and attention, captured by
+  ``kv_ledger``, fed and checked), ``cache_rows`` (the reader of a cache's
+  rows) and ``reference_attention`` (a row's reference attention).
 * ``e2e``: ``tqbatch e2e``, continuous batching through a random-weight
   Qwen2 language model, checked by the cache oracle.
 * ``bench``: ``tqbatch bench``, op and decode-step timings against

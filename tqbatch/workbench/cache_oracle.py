@@ -45,11 +45,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-import mlx.core as mx
-
-from tqbatch.testing.reference import to_numpy
-from tqbatch.workbench.cache_rows import read_row
-from tqbatch.workbench.kv_ledger import AttentionLog, KVLedger
+from tqbatch.workbench.forward_capture import ForwardCapture
 from tqbatch.workbench.request_oracle import OracleFailure, RequestChecks, RequestOracle
 from tqbatch.workbench.serving import ForwardLayout, ServerObserver
 
@@ -104,7 +100,7 @@ class CacheOracle(RequestOracle, ServerObserver):
     ):
         super().__init__(quantized_layers, bits=bits, seed=seed)
         self.stop_at_first_failure = stop_at_first_failure
-        self.module = attention_module_of(model)
+        self.capture = ForwardCapture(self, [attention_module_of(model)])
         self.forwards = 0
 
     # ------------------------------------------------------------ observer hooks
@@ -113,21 +109,8 @@ class CacheOracle(RequestOracle, ServerObserver):
     def forward(self, layout: ForwardLayout, caches: list) -> Iterator[None]:
         self.forwards += 1
         where = f"forward {self.forwards} ({layout.kind})"
-        layer_caches = {i: caches[i] for i in self.layers}
-        ledger = KVLedger(tuple({type(c) for c in layer_caches.values()}))
-        with ledger, AttentionLog([self.module]) as attention:
+        with self.capture.forward(layout, caches, where, self.layers):
             yield
-        # Only reached when the forward returned: a crash propagates as is.
-        for layer, cache in layer_caches.items():
-            kv_calls, attention_calls = ledger.writes_to(cache), attention.calls_on(cache)
-            if len(kv_calls) != 1 or len(attention_calls) != 1:
-                detail = (
-                    f"update_and_fetch ran {len(kv_calls)} times and attention "
-                    f"{len(attention_calls)} times in one forward, not once each"
-                )
-                self.fail("capture", None, layer, where, detail)
-                continue
-            self._check_forward(layout, layer, cache, kv_calls[0], attention_calls[0], where)
         self._stop_if_failed()
 
     def settled(self, uids: Sequence[str], caches: list):
@@ -145,26 +128,6 @@ class CacheOracle(RequestOracle, ServerObserver):
         self._stop_if_failed()
 
     # ------------------------------------------------------------ checks
-
-    def _check_forward(self, layout: ForwardLayout, layer: int, cache, kv, call, where: str):
-        """Feed each row's real columns to its reference, then check its attention."""
-        keys, values = (to_numpy(a.astype(mx.float32)) for a in kv)
-        rows = list(enumerate(zip(layout.uids, layout.real)))
-        fed = [
-            (uid, keys[row, :, r.start : r.stop], values[row, :, r.start : r.stop])
-            for row, (uid, r) in rows
-        ]
-        self.feed_rows(layer, fed)
-        for row, (uid, real) in rows:
-            self.check_attention(
-                uid,
-                layer,
-                call.queries[row : row + 1, :, real.start : real.stop],
-                call.output[row, :, real.start : real.stop],
-                call.scale,
-                where,
-                read_row=lambda row=row: read_row(cache, row),
-            )
 
     def _stop_if_failed(self):
         if self.stop_at_first_failure and self.failures:

@@ -22,12 +22,13 @@ Every request is teacher-forced with the tokens it gets run alone (single
 caches of the same kinds), and two verdicts are taken:
 
 * **the cache oracle** isolates the cache from forward noise: the K/V each
-  target cache object is handed are recorded (``KVLedger``, which also sees
+  target cache object is handed are recorded (``forward_capture``, the
+  workbench's ``CacheOracle``'s too, on ``kv_ledger.KVLedger``, which also sees
   rows qwen3_5 runs alone and re-merges), each row's real columns are fed to
   a single-request reference (a ``TurboQuantKVCache`` of the same bits and
   seed, or the plain tokens for a full-precision target; where float rounding
   lets a correct quantizer pick another code or float16 norm, the reference
-  takes the target's choice: ``Oracle.admit``), and after every
+  takes the target's choice: ``RequestOracle.admit``), and after every
   step each row of every target layer must hold exactly its reference's
   tokens, to the rounding bound of ``tolerances.content_tolerance``; so must
   every extracted cache. Every attention call on those layers (recorded by
@@ -73,9 +74,10 @@ from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatchTurboQuantKVCac
 from tqbatch import mlx_lm as tq_mlx_lm
 from tqbatch.testing.reference import to_numpy
 from tqbatch.workbench import lm_families, vlm_families
-from tqbatch.workbench.cache_rows import FULL_PRECISION_BATCHES, read_row
-from tqbatch.workbench.kv_ledger import AttentionLog, KVLedger
+from tqbatch.workbench.cache_rows import FULL_PRECISION_BATCHES
+from tqbatch.workbench.forward_capture import ForwardCapture
 from tqbatch.workbench.request_oracle import RequestChecks, RequestOracle
+from tqbatch.workbench.serving import ForwardLayout
 
 __all__ = [
     "ALL_FAMILIES",
@@ -287,109 +289,25 @@ class _Server:
         self.model, self.target, self.layers = model, target, tuple(layers)
         self.family = family
         self.oracle = oracle
-        self.modules = _attention_modules(family)
         target_class = (target.cls,) if target.cls else ()
         # Diagnosing a failed cell: the sliding-window layers' caches are watched too.
         self.diagnose = diagnose
         watched = _WATCHED + target_class + (_ROTATING if diagnose else ())
-        self.ledger = KVLedger(watched, FULL_PRECISION_BATCHES + target_class)
+        self.capture = ForwardCapture(
+            oracle, _attention_modules(family), watched, FULL_PRECISION_BATCHES + target_class
+        )
         self.forwards = 0
 
-    # -------- one forward, and what it wrote
+    # -------- one forward, under the oracle
 
     def _forward(self, batch: _Batch, tokens, real: Sequence[range], kind: str, run=None):
         self.forwards += 1
         where = f"forward {self.forwards} ({kind})"
-        before = list(batch.caches)
-        self.ledger.clear()
-        with self.ledger, AttentionLog(self.modules) as attention:
+        layout = ForwardLayout(kind, tuple(r.uid for r in batch.rows), tuple(real))
+        layers = self.layers + tuple(self.oracle.windows)
+        with self.capture.forward(layout, batch.caches, where, layers):
             result = (run or (lambda: _logits(self.model, tokens, batch.caches)))()
-        for layer in self.layers + tuple(self.oracle.windows):
-            served = self._attribute(batch, before[layer], layer, real, where)
-            self._check_attention(batch, served, attention, layer, where)
         return result
-
-    def _check_attention(self, batch, served, attention, layer, where):
-        """Each cache object that took K/V served one attention call; check its rows."""
-        for cache, rows, quantized in served:
-            calls = attention.calls_on(cache)
-            if not calls and not quantized:
-                continue  # full precision may take a path that passes cache=None
-            # Some verifiers attend one query column per call (qwen3_5's, for
-            # blocks longer than 2): in order, the calls make up the block.
-            width = max(cols.stop for _, cols in rows)
-            if not calls or sum(c.queries.shape[2] for c in calls) != width:
-                covered = [c.queries.shape[2] for c in calls]
-                detail = f"attention on this cache covered {covered} query columns, not {width}"
-                self.oracle.fail("capture", None, layer, where, detail)
-            call = calls[0]
-            if len(calls) > 1:
-                call = dataclasses.replace(
-                    call,
-                    queries=mx.concatenate([c.queries for c in calls], axis=2),
-                    output=mx.concatenate([c.output for c in calls], axis=2),
-                )
-            for index, (row, cols) in enumerate(rows):
-                if not len(cols):
-                    continue
-                q = call.queries[index : index + 1, :, cols.start : cols.stop]
-                got = call.output[index, :, cols.start : cols.stop]
-                uid = batch.rows[row].uid
-                self.oracle.check_attention(
-                    uid,
-                    layer,
-                    q,
-                    got,
-                    call.scale,
-                    f"row {row} ({uid}), {where}",
-                    sinks=call.sinks,
-                    quantized=quantized,
-                    read_row=lambda cache=cache, index=index: read_row(cache, index),
-                )
-
-    def _attribute(self, batch: _Batch, before, layer: int, real, where: str):
-        after = batch.caches[layer]
-        B = len(batch.rows)
-        if after is before:
-            writes = self.ledger.writes_to(after)
-            if len(writes) != 1:
-                n = len(writes)
-                detail = f"the batch cache was handed K/V {n} times in one forward, not once"
-                self.oracle.fail("capture", None, layer, where, detail)
-            keys, values = (to_numpy(a.astype(mx.float32)) for a in writes[0])
-            self.oracle.feed_rows(
-                layer,
-                [
-                    (req.uid, keys[row, :, c.start : c.stop], values[row, :, c.start : c.stop])
-                    for row, (req, c) in enumerate(zip(batch.rows, real))
-                ],
-            )
-            quantized = self.target.quantized and layer not in self.oracle.windows
-            return [(after, list(enumerate(real)), quantized)]
-        # The model replaced the cache: it ran rows alone and merged them (qwen3_5).
-        record = self.ledger.merge_into(after)
-        if record is None or len(record.members) != B:
-            detail = (
-                f"the model replaced the batch cache with a {type(after).__name__} "
-                f"no merge of {B} rows produced"
-            )
-            self.oracle.fail("capture", None, layer, where, detail)
-        for row, (req, member, cols) in enumerate(zip(batch.rows, record.members, real)):
-            writes = self.ledger.writes_to(member)
-            keys = [to_numpy(k.astype(mx.float32))[0] for k, _ in writes]
-            values = [to_numpy(v.astype(mx.float32))[0] for _, v in writes]
-            n = sum(k.shape[1] for k in keys)
-            if n != len(cols):
-                detail = f"row {row} was run alone on {n} tokens, it has {len(cols)} real ones"
-                self.oracle.fail("capture", None, layer, where, detail)
-            if n:
-                rows = [(req.uid, np.concatenate(keys, axis=1), np.concatenate(values, axis=1))]
-                self.oracle.feed_rows(layer, rows)
-        # Each member served its row alone: all of its query columns are real.
-        return [
-            (member, [(row, range(0, len(cols)))], isinstance(member, TurboQuantKVCache))
-            for row, (member, cols) in enumerate(zip(record.members, real))
-        ]
 
     # -------- server operations
 
