@@ -496,7 +496,7 @@ class Cell:
     says what failed or raised; ``gap`` is the largest logit distance from
     the requests run alone; ``gap_failure`` whether that gap alone failed it;
     ``admitted`` how many tokens' references took the target's other rounding
-    choice (``Oracle.admit``); ``requests`` each request's share.
+    choice (``RequestOracle.admit``); ``requests`` each request's share.
     """
 
     family: str
