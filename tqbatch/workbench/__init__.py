@@ -8,9 +8,10 @@ uses neither.
 * ``serving``: a continuous-batching server loop over mlx-vlm model code.
 * ``cache_oracle``: per-request references checked against the caches that
   loop drives.
-* ``request_oracle``: the one request oracle both judges are built on
-  (``cache_oracle.CacheOracle`` and ``model_matrix.Oracle``), with what it
-  uses: ``forward_capture`` (one forward's K/V and attention, captured by
+* ``request_oracle``: the request oracle under ``cache_oracle.CacheOracle``,
+  the one judge of both serving loops (``model_matrix.Oracle`` is a
+  ``CacheOracle`` that stops at the first failure), with what it uses:
+  ``forward_capture`` (one forward's K/V and attention, captured by
   ``kv_ledger``, fed and checked), ``cache_rows`` (the reader of a cache's
   rows) and ``reference_attention`` (a row's reference attention).
 * ``e2e``: ``tqbatch e2e``, continuous batching through a random-weight

@@ -29,6 +29,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 from tqbatch import mlx_lm as tq_mlx_lm
 from tqbatch.cache import BatchTurboQuantKVCache
 from tqbatch.testing.reference import to_numpy
+from tqbatch.workbench.cache_oracle import CacheCheckFailed
 
 __all__ = ["MAX_TOKENS", "run"]
 
@@ -42,8 +43,8 @@ REMOVE_STEP = 5  # B is removed after this many
 
 
 def run(server, requests) -> None:
-    """Drive ``server.model`` through mlx-lm's ``BatchGenerator``; raises ``CacheCheck``."""
-    from tqbatch.workbench.model_matrix import BITS, SEED, CacheCheck, _Batch
+    """Drive ``server.model`` through mlx-lm's ``BatchGenerator``; raises ``CacheCheckFailed``."""
+    from tqbatch.workbench.model_matrix import BITS, SEED, _Batch
 
     model, target = server.model, server.target
     keys: dict[int, str] = {}  # BatchGenerator's uid -> the matrix request
@@ -95,16 +96,18 @@ def run(server, requests) -> None:
         key = keys[r.uid]
         req = requests[key]
         if req.fed >= len(req.teacher):
-            raise CacheCheck(f"{key} got a token past its {len(req.teacher)} alone ones")
+            raise CacheCheckFailed(f"{key} got a token past its {len(req.teacher)} alone ones")
         if r.token != req.teacher[req.fed]:
-            raise CacheCheck(f"{key}'s token {req.fed} is {r.token}, alone {req.teacher[req.fed]}")
+            raise CacheCheckFailed(
+                f"{key}'s token {req.fed} is {r.token}, alone {req.teacher[req.fed]}"
+            )
         alone = req.alone[req.fed]
         alone = alone - np.log(np.sum(np.exp(alone - alone.max()))) - alone.max()
         logprobs = to_numpy(r.logprobs.astype(mx.float32))
         req.gaps.append(float(np.abs(logprobs - alone).max()))
         req.fed += 1
         if r.finish_reason is not None:
-            server.oracle.check_single(key, r.prompt_cache, f"cache {key} finished with")
+            server.oracle.extracted(key, r.prompt_cache, f"cache {key} finished with")
         return key
 
     PromptProcessingBatch.prompt, GenerationBatch._step = prompt, step
@@ -132,12 +135,12 @@ def run(server, requests) -> None:
                 (uid,) = [u for u, k in keys.items() if k == "B"]
                 removed = gen.remove([uid], return_prompt_caches=True)
                 if uid not in removed:
-                    raise CacheCheck(f"remove of B at step {steps}: no caches handed back")
-                server.oracle.check_single("B", removed[uid][0], "cache B was removed with")
+                    raise CacheCheckFailed(f"remove of B at step {steps}: no caches handed back")
+                server.oracle.extracted("B", removed[uid][0], "cache B was removed with")
     finally:
         PromptProcessingBatch.prompt, GenerationBatch._step = original_prompt, original_step
     done = {k: requests[k].fed for k in MAX_TOKENS}
     want = {k: n + (1 + REUSE if k == "A" else 0) for k, n in MAX_TOKENS.items()}
     want["B"] = done["B"]  # removed mid-flight: however far it got
     if done != want or not reused or done["B"] >= MAX_TOKENS["B"]:
-        raise CacheCheck(f"BatchGenerator gave {done} tokens per request, expected {want}")
+        raise CacheCheckFailed(f"BatchGenerator gave {done} tokens per request, expected {want}")

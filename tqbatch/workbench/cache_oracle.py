@@ -35,8 +35,9 @@ compare with it. Then it checks, with the rounding bounds of
   reference and the same dequantized content.
 
 Rollbacks trim the references as the server trims its batch. The references
-and the checks are ``tqbatch.workbench.request_oracle.RequestOracle``'s, the
-model matrix's too; this module follows the server's hooks.
+and the checks are ``tqbatch.workbench.request_oracle.RequestOracle``'s; this
+module follows a server's hooks (``ServerObserver``): ``ContinuousBatcher``'s
+and the model matrix's server's, whose ``model_matrix.Oracle`` is this class.
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ class CacheOracle(RequestOracle, ServerObserver):
             ones are full precision and not checked.
         stop_at_first_failure: raise ``CacheCheckFailed`` from the hook that
             found the first failure (a mutant needs no more than one).
+        quantized: whether the cache under test quantizes (else its rows must
+            hold the plain tokens).
+        attention_modules: where the model's attention function is spied on,
+            instead of ``model``'s module (a family with a speculative verifier
+            has two).
+        watched, batch_classes: cache classes whose writes, and batch classes
+            whose ``merge``, are recorded beyond the checked layers' (``ForwardCapture``).
 
     After the run: ``failures`` (every failed check, in order), ``checks``
     (per request uid), ``forwards`` (forwards observed).
@@ -91,16 +99,22 @@ class CacheOracle(RequestOracle, ServerObserver):
 
     def __init__(
         self,
-        model,
+        model=None,
         *,
         bits: float,
         seed: int,
         quantized_layers: Sequence[int],
         stop_at_first_failure: bool = False,
+        quantized: bool = True,
+        attention_modules: Sequence | None = None,
+        watched: tuple[type, ...] = (),
+        batch_classes: tuple[type, ...] = (),
     ):
-        super().__init__(quantized_layers, bits=bits, seed=seed)
+        super().__init__(quantized_layers, bits=bits, seed=seed, quantized=quantized)
         self.stop_at_first_failure = stop_at_first_failure
-        self.capture = ForwardCapture(self, [attention_module_of(model)])
+        if attention_modules is None:
+            attention_modules = [attention_module_of(model)]
+        self.capture = ForwardCapture(self, attention_modules, watched, batch_classes)
         self.forwards = 0
 
     # ------------------------------------------------------------ observer hooks
@@ -109,22 +123,23 @@ class CacheOracle(RequestOracle, ServerObserver):
     def forward(self, layout: ForwardLayout, caches: list) -> Iterator[None]:
         self.forwards += 1
         where = f"forward {self.forwards} ({layout.kind})"
-        with self.capture.forward(layout, caches, where, self.layers):
+        # Sliding-window layers are watched too while a failure is diagnosed.
+        with self.capture.forward(layout, caches, where, self.layers + tuple(self.windows)):
             yield
         self._stop_if_failed()
 
-    def settled(self, uids: Sequence[str], caches: list):
-        where = f"after forward {self.forwards}"
+    def settled(self, uids: Sequence[str], caches: list, where: str | None = None):
+        where = where or f"after forward {self.forwards}"
         for layer in self.layers:
-            self.check_rows(uids, layer, caches[layer], where)
+            self.check_rows(uids, layer, caches[layer], where, label=_row_label)
         self._stop_if_failed()
 
     def rolled_back(self, uids: Sequence[str], n: int):
         for uid in uids:
             self.drop_last(uid, n)
 
-    def extracted(self, uid: str, caches: list):
-        self.check_single(uid, caches, f"extract after forward {self.forwards}")
+    def extracted(self, uid: str, caches: list, where: str | None = None):
+        self.check_single(uid, caches, where or f"extract after forward {self.forwards}")
         self._stop_if_failed()
 
     # ------------------------------------------------------------ checks
@@ -132,3 +147,7 @@ class CacheOracle(RequestOracle, ServerObserver):
     def _stop_if_failed(self):
         if self.stop_at_first_failure and self.failures:
             raise CacheCheckFailed(self.failures[0].sentence())
+
+
+def _row_label(row: int, uid: str) -> str:
+    return f"row {row} ({uid})"

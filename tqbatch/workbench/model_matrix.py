@@ -74,9 +74,9 @@ from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatchTurboQuantKVCac
 from tqbatch import mlx_lm as tq_mlx_lm
 from tqbatch.testing.reference import to_numpy
 from tqbatch.workbench import lm_families, vlm_families
+from tqbatch.workbench.cache_oracle import CacheCheckFailed, CacheOracle
 from tqbatch.workbench.cache_rows import FULL_PRECISION_BATCHES
-from tqbatch.workbench.forward_capture import ForwardCapture
-from tqbatch.workbench.request_oracle import RequestChecks, RequestOracle
+from tqbatch.workbench.request_oracle import RequestChecks
 from tqbatch.workbench.serving import ForwardLayout
 
 __all__ = [
@@ -116,7 +116,6 @@ ALL_FAMILIES = vlm_families.FAMILIES + lm_families.FAMILIES
 # here: 0.705 (mlx-vlm's rotating window cache after a verify block, gpt_oss).
 MODEL_GAP_LIMIT = 0.5
 
-_ROTATING = (lm_cache.BatchRotatingKVCache, vlm_cache.BatchRotatingKVCache)
 _WATCHED = (
     TurboQuantKVCache,
     lm_cache.KVCache,
@@ -233,10 +232,6 @@ def _alone_run(model, family: str, target: Target, layers, uid, prompt, steps) -
 # ---------------------------------------------------------------- the oracle
 
 
-class CacheCheck(Exception):
-    """A target cache failed the oracle."""
-
-
 @dataclass
 class RequestVerdict:
     """One request's share of a cell: the oracle's checks of its rows and references,
@@ -250,25 +245,25 @@ class RequestVerdict:
     gap: float | None = None
 
 
-class Oracle(RequestOracle):
-    """The matrix's request oracle: ``RequestOracle`` for one target, raising
-    ``CacheCheck`` at the first failed check, with each layer's batch cache class
+class Oracle(CacheOracle):
+    """The matrix's request oracle: the workbench's ``CacheOracle`` for one target,
+    stopping at the first failed check, with each layer's batch cache class
     (``classes``) to name it where the check fails."""
 
-    def __init__(self, target: Target, layers: Sequence[int]):
-        super().__init__(layers, bits=BITS, seed=SEED, quantized=target.quantized)
+    def __init__(self, target: Target, layers: Sequence[int], family: str | None = None):
+        target_class = (target.cls,) if target.cls else ()
+        super().__init__(
+            bits=BITS,
+            seed=SEED,
+            quantized_layers=layers,
+            stop_at_first_failure=True,
+            quantized=target.quantized,
+            attention_modules=_attention_modules(family) if family else [],
+            watched=_WATCHED + target_class,
+            batch_classes=FULL_PRECISION_BATCHES + target_class,
+        )
         self.target = target
         self.classes: dict[int, str] = {}
-
-    def check_batch(self, uids: Sequence[str], caches: list, where: str):
-        for layer in self.layers:
-            self.check_rows(
-                uids, layer, caches[layer], where, label=lambda row, uid: f"row {row} ({uid})"
-            )
-
-    def fail(self, kind, uid, layer, where, detail):
-        super().fail(kind, uid, layer, where, detail)
-        raise CacheCheck(self.failures[-1].by_layer())
 
 
 # ---------------------------------------------------------------- the server
@@ -289,23 +284,16 @@ class _Server:
         self.model, self.target, self.layers = model, target, tuple(layers)
         self.family = family
         self.oracle = oracle
-        target_class = (target.cls,) if target.cls else ()
         # Diagnosing a failed cell: the sliding-window layers' caches are watched too.
         self.diagnose = diagnose
-        watched = _WATCHED + target_class + (_ROTATING if diagnose else ())
-        self.capture = ForwardCapture(
-            oracle, _attention_modules(family), watched, FULL_PRECISION_BATCHES + target_class
-        )
         self.forwards = 0
 
     # -------- one forward, under the oracle
 
     def _forward(self, batch: _Batch, tokens, real: Sequence[range], kind: str, run=None):
         self.forwards += 1
-        where = f"forward {self.forwards} ({kind})"
         layout = ForwardLayout(kind, tuple(r.uid for r in batch.rows), tuple(real))
-        layers = self.layers + tuple(self.oracle.windows)
-        with self.capture.forward(layout, batch.caches, where, layers):
+        with self.oracle.forward(layout, batch.caches):
             result = (run or (lambda: _logits(self.model, tokens, batch.caches)))()
         return result
 
@@ -375,7 +363,7 @@ class _Server:
         for row, (req, a) in enumerate(zip(batch.rows, accepted)):
             for j in range(a + 1):
                 req.compare(req.fed + 1 + j, logits[row, j])
-            self.oracle.drop_last(req.uid, block - (a + 1))
+            self.oracle.rolled_back([req.uid], block - (a + 1))
             req.fed += a + 1
         self.settle(batch, f"commit {list(accepted)}")
 
@@ -389,7 +377,7 @@ class _Server:
     def finish(self, batch: _Batch, row: int) -> tuple[_Request, list]:
         req = batch.rows[row]
         singles = [c.extract(row) for c in batch.caches]
-        self.oracle.check_single(req.uid, singles, f"extract of {req.uid}")
+        self.oracle.extracted(req.uid, singles, f"extract of {req.uid}")
         keep = [i for i in range(len(batch.rows)) if i != row]
         for c in batch.caches:
             c.filter(mx.array(keep, dtype=mx.int32))
@@ -404,10 +392,10 @@ class _Server:
             logits = self._forward(alone, tokens, [range(0, 1)], f"{req.uid} alone")
             req.fed += 1
             req.compare(req.fed, logits[0, 0])
-        self.oracle.check_single(req.uid, caches, "decoding alone after extract")
+        self.oracle.extracted(req.uid, caches, "decoding alone after extract")
 
     def settle(self, batch: _Batch, where: str):
-        self.oracle.check_batch([r.uid for r in batch.rows], batch.caches, where)
+        self.oracle.settled([r.uid for r in batch.rows], batch.caches, where)
 
 
 def _attention_modules(family: str) -> list:
@@ -606,7 +594,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
     start = time.perf_counter()
     model = _model(family)
     layers = _quantized_layers(family, model)
-    oracle = Oracle(target, layers)
+    oracle = Oracle(target, layers, family)
     requests: dict[str, _Request] = {}
     # mlx-lm's attention hands TurboQuant caches to mlx-vlm's only under the route.
     route = tq_mlx_lm.routed() if lm_families.is_lm(family) else nullcontext()
@@ -622,13 +610,13 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
                 batch_generator_scenario.run(server, requests)
             else:
                 _SCENARIO_RUNS[scenario](server, requests)
-    except CacheCheck as exc:
+    except CacheCheckFailed as exc:
         return Cell(
             family,
             scenario,
             target.name,
             "FAIL",
-            attributed(str(exc), oracle),
+            attributed(oracle.failures[0].by_layer() if oracle.failures else str(exc), oracle),
             _gap(requests),
             oracle.total_checks,
             time.perf_counter() - start,

@@ -151,19 +151,21 @@ class ServerObserver:
     * ``rolled_back(uids, n)``: every row of the batch was trimmed by ``n``.
     * ``extracted(uid, caches)``: ``caches`` are what ``extract`` returned for
       a finished request, one per layer.
+
+    ``where``, where a hook takes it: the server's name for the moment, for messages.
     """
 
     @contextmanager
     def forward(self, layout: ForwardLayout, caches: list) -> Iterator[None]:
         yield
 
-    def settled(self, uids: Sequence[str], caches: list):
+    def settled(self, uids: Sequence[str], caches: list, where: str | None = None):
         pass
 
     def rolled_back(self, uids: Sequence[str], n: int):
         pass
 
-    def extracted(self, uid: str, caches: list):
+    def extracted(self, uid: str, caches: list, where: str | None = None):
         pass
 
 
