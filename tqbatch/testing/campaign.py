@@ -7,7 +7,9 @@ example budget or a time budget is spent.
 - A plain campaign stops at the first failure and shrinks it.
 - A *survey* keeps going: every distinct failing check (``identity``:
   check@op, see ``tqbatch.testing.checks``) is shrunk and kept with its own
-  op sequence; in later rounds, failures already kept are tolerated (the
+  op sequence. A round stops at its first failure and shrinks only that one,
+  so that each failure is reported as soon as it is shrunk (``on_example``);
+  in later rounds, failures already kept are tolerated (the
   example runs past them, or ends where the target has diverged), so the
   search moves on to what else is wrong. The other checks that failed
   after the same op as a failure found (``also``) are kept too, each with
@@ -397,8 +399,11 @@ def run_campaign(
                 # Replaying, every saved failure is replayed and reported: stopping
                 # at the first that still fails would leave the others unreplayed,
                 # so not saved again by this run, and a database rebuilt from what
-                # runs save (a nightly's artifact) would lose them.
-                report_multiple_bugs=survey or replaying,
+                # runs save (a nightly's artifact) would lose them. Generating,
+                # a round stops at its first failure and shrinks only that one,
+                # so that it is reported at once; a survey's next round
+                # tolerates it and goes on to the others.
+                report_multiple_bugs=replaying,
                 # A survey ends examples at known failures (a rejection).
                 suppress_health_check=list(HealthCheck),
             )
