@@ -66,7 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default: ``sys.argv[1:]``), run the sub-command, return its exit code."""
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the sub-command, return its exit code.
+
+    A target ``MODULE:CLASS`` is imported as ``python -m tqbatch`` would find it:
+    with the current directory on ``sys.path`` (the ``tqbatch`` script alone
+    does not put it there), so that ``tqbatch replay FILE`` in a project finds
+    the project's cache as its tests did.
+    """
+    here = os.getcwd()
+    added = "" not in sys.path and here not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        return _main(argv)
+    finally:
+        if added and here in sys.path:
+            sys.path.remove(here)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     early = argparse.ArgumentParser(add_help=False)
     add_backend_arguments(early)
     chosen, _ = early.parse_known_args(argv)

@@ -2,7 +2,9 @@
 
 A scratch project in a temporary directory, with its own ``pyproject.toml``
 and a toy cache module (``toy.cache``: ``Toy``, tqbatch's cache as it is, and
-``Broken``, which accepts ``trim(-1)`` instead of rejecting it). Its Python is
+``Broken``, which accepts ``trim(-1)`` instead of rejecting it; ``toy.vlm``:
+mlx-vlm's class with a broken ``make_mask``, against the known-failures list
+tqbatch ships for mlx-vlm 0.7.10). Its Python is
 a venv made with ``--system-site-packages`` from the running interpreter,
 whose own site-packages are put on the venv's path (mlx and the rest are not
 installed again), and tqbatch is installed into it from a copy of this
@@ -18,6 +20,7 @@ two idle cores.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -54,6 +57,70 @@ class Broken(BatchTurboQuantKVCache):
             return 0
         return super().trim(n)
 '''
+
+VLM = '''\
+"""mlx-vlm's batch cache with one op broken, as a change under review might break it."""
+
+from mlx_vlm.turboquant import BatchTurboQuantKVCache
+
+
+class MaskIgnoresLeftPadding(BatchTurboQuantKVCache):
+    """``make_mask`` as if no row were left-padded: a padded row attends its padding."""
+
+    def make_mask(self, *args, **kwargs):
+        padding = self.left_padding
+        self.left_padding = padding * 0
+        try:
+            return super().make_mask(*args, **kwargs)
+        finally:
+            self.left_padding = padding
+'''
+
+# A server author's script: a tiny mlx-lm llama (random weights), the README's
+# BatchGenerator block run as written (README_BLOCK, its first argument), then
+# each request alone on single TurboQuant caches, greedy, for comparison.
+SERVE = """\
+import json
+import sys
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+import tqbatch.mlx_lm
+
+args = llama.ModelArgs(
+    model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
+    vocab_size=256, tie_word_embeddings=False,
+)
+model = llama.Model(args)
+model.load_weights([
+    (name, mx.random.normal(p.shape, key=mx.random.key(i)) * p.shape[-1] ** -0.5)
+    for i, (name, p) in enumerate(sorted(tree_flatten(model.parameters())))
+])
+prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]]
+namespace = {"model": model, "prompts": prompts}
+exec(open(sys.argv[1]).read(), namespace)
+
+
+def alone(prompt, steps=8):
+    caches = tqbatch.mlx_lm.make_prompt_cache(model, bits=4, seed=0)
+    logits = model(mx.array([prompt]), cache=caches)[0, -1]
+    out = []
+    while len(out) < steps:
+        out.append(int(mx.argmax(logits).item()))
+        logits = model(mx.array([[out[-1]]]), cache=caches)[0, -1]
+    return out
+
+
+batched = [namespace["tokens"][uid] for uid in namespace["uids"]]
+print(json.dumps({
+    "routed": tqbatch.mlx_lm.is_enabled(),
+    "batched": batched,
+    "alone": [alone(p) for p in prompts],
+}))
+"""
 
 PYPROJECT = """\
 [project]
@@ -109,6 +176,20 @@ class Scratch:
     def pytest(self, *args: str, **env: str) -> subprocess.CompletedProcess:
         return self.run("-m", "pytest", *PLUGIN, *args, **env)
 
+    def tqbatch(self, *args: str) -> subprocess.CompletedProcess:
+        """The ``tqbatch`` script pip installed, as a user types it (not ``python -m``)."""
+        script = self.python.parent / "tqbatch"
+        drop = {"PYTHONPATH", "TQBATCH_IMPL", "GITHUB_STEP_SUMMARY"}
+        environment = {k: v for k, v in os.environ.items() if k not in drop}
+        return subprocess.run(
+            [str(script), *args],
+            cwd=self.project,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+
 
 def _site_dirs() -> list[str]:
     """Where the running interpreter finds its packages: not its standard library (the venv
@@ -136,6 +217,7 @@ def scratch(tmp_path_factory) -> Scratch:
     (project / "toy").mkdir(parents=True)
     (project / "toy" / "__init__.py").write_text("")
     (project / "toy" / "cache.py").write_text(TOY)
+    (project / "toy" / "vlm.py").write_text(VLM)
     (project / "pyproject.toml").write_text(PYPROJECT)
     (project / "conftest.py").write_text(CONFTEST)
     (project / "known-failures.txt").write_text(KNOWN)
@@ -222,18 +304,80 @@ def test_a_broken_cache_fails_naming_the_failure_with_a_replayable_scenario(scra
         if case.find("failure") is not None
     ]
     assert "test_bad_input[trim-negative]" in failed, failed
-    repro = re.search(r"reproduce: tqbatch replay --impl toy\.cache:Broken (\S+\.json)", run.stdout)
+    repro = re.search(r"reproduce: tqbatch replay (\S+\.json)", run.stdout)
     assert repro, run.stdout
     path = repro.group(1)
     assert (scratch.project / path).is_file() and path.startswith("tqbatch-failures")
-    # The scenario reproduces the failure against the oracles; the cache
-    # without the bug replays it green.
-    again = scratch.run("-m", "tqbatch", "replay", "--impl", "toy.cache:Broken", path)
+    # The scenario reproduces the failure, against the class it was found on
+    # without being told which; the cache without the bug replays it green.
+    again = scratch.tqbatch("replay", path)
     assert again.returncode == 1, again.stdout + again.stderr
     assert "rejects" in again.stdout
     toy = ["--impl", "toy.cache:Toy", "--oracles-only"]
     fixed = scratch.run("-m", "tqbatch", "replay", *toy, path)
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+
+
+def test_mlx_vlms_class_is_green_with_the_known_failures_tqbatch_ships(scratch):
+    run = scratch.pytest(
+        "--tqbatch-impl",
+        "mlx-vlm",
+        "--tqbatch-known-failures",
+        "mlx_vlm_0_7_10",
+        "-q",
+        "--junitxml",
+        "vlm.xml",
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    cases = _junit(scratch.project / "vlm.xml")
+    assert not [n for n, c in cases.items() if c.find("failure") is not None]
+    xfailed = [n for n, c in cases.items() if c.find("skipped") is not None]
+    assert "test_state_machine" in xfailed and len(xfailed) > 1, xfailed
+
+
+def test_a_defect_injected_into_mlx_vlms_class_is_red_with_a_repro_that_replays(scratch):
+    # The shipped list covers mlx-vlm's own defects; the planted one is new.
+    run = scratch.pytest(
+        "--tqbatch-impl",
+        "toy.vlm:MaskIgnoresLeftPadding",
+        "--tqbatch-known-failures",
+        "mlx_vlm_0_7_10",
+        "-q",
+        "-k",
+        "state_machine",
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "mask_values@new [contract" in run.stdout
+    assert "known failures also found" in run.stdout  # mlx-vlm's own, still listed as known
+    repro = re.search(r"mask_values@new .*\n\s+reproduce: tqbatch replay (\S+\.json)", run.stdout)
+    assert repro, run.stdout
+    again = scratch.tqbatch("replay", repro.group(1))
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "replaying against toy.vlm:MaskIgnoresLeftPadding" in again.stdout
+    assert "[mask_values]" in again.stdout
+
+
+@pytest.mark.float32_only(
+    reason="greedy tokens batched vs alone: at TF32 forward noise can flip a code (as "
+    "test_mlx_lm_route.py)"
+)
+def test_a_server_authors_readme_loop_runs_on_mlx_lms_llama_from_the_install(scratch):
+    """The README's BatchGenerator block, run as written, with the installed tqbatch."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### With mlx-lm's `BatchGenerator`") :]
+    (scratch.project / "readme_block.py").write_text(
+        re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    )
+    (scratch.project / "serve.py").write_text(SERVE)
+    run = scratch.run("serve.py", "readme_block.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["routed"]
+    # Greedy tokens of each request batched equal the request's alone (the
+    # rows hold the same codes; only float32 summation order differs, far
+    # below the logit margins of these prompts: see test_mlx_lm_route.py).
+    assert out["batched"] == out["alone"], out
+    assert [len(t) for t in out["batched"]] == [8, 8]
 
 
 def test_a_listed_failure_is_an_xfail_with_its_reason(scratch):

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from tqbatch import cli
-from tqbatch.commands import UNCUT_WIDTH, console
+from tqbatch.commands import UNCUT_WIDTH, console, models
 from tqbatch.exitcodes import ExitCode
 from tqbatch.testing import backend, golden
 from tqbatch.testing.campaign import CampaignResult, _Counter
@@ -162,7 +162,9 @@ def test_models_summary_is_its_markdown_table(summary):
     assert text.startswith("### tqbatch models\n\nexit 5: nothing was checked")
     assert "| family | scenario | tqbatch | BatchKVCache |" in text
     why = dict(vlm_families.SPECS["gemma4"].not_applicable)["speculative"]
-    brief = f"N/A: {why}"[:69] + "…"  # Cell.brief(): the model-family table keeps cells short
+    # Cell.brief(): the model-family table cuts a cell to models.WIDTH characters.
+    brief = f"N/A: {why}"[: models.WIDTH - 1] + "…"
+    assert len(f"N/A: {why}") > models.WIDTH  # so that the cut is what is checked
     assert f"| gemma4 | speculative | {brief} | {brief} |" in text
 
 

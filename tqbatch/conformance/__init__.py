@@ -19,7 +19,7 @@ Against the cache under test, one module each:
   soon as on the command line, at any machine speed.
 - ``test_models.py::test_model_family[FAMILY-SCENARIO]``
   (``--tqbatch-models``): the cache inside mlx-vlm's own model code
-  (``tqbatch.testing.matrix``); it must pass wherever mlx-lm's
+  (``tqbatch.workbench.model_matrix``); it must pass wherever mlx-lm's
   ``BatchKVCache`` passes.
 
 They run in that order (the plugin sorts them), the fast, deterministic
@@ -93,8 +93,12 @@ def spec(state: plugin.Harness) -> str:
 
 
 def repro(state: plugin.Harness, path) -> str:
-    """The command that replays the scenario at ``path`` against the target."""
-    return f"tqbatch replay --impl {spec(state)} {state.shown(path)}"
+    """The command that replays the scenario at ``path`` against the target.
+
+    No ``--impl``: the scenario records the target it was found on, and
+    ``tqbatch replay`` replays it against that one.
+    """
+    return f"tqbatch replay {state.shown(path)}"
 
 
 def options(request, state: plugin.Harness, **extra) -> dict:

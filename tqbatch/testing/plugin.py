@@ -36,7 +36,8 @@ Known failures (``tqbatch.testing.known_failures``): each failure the tests
 find has an identity (``check@op``, ``tqbatch.testing.checks``). A test whose
 failures are all listed is an expected failure (xfail, with the file's
 reasons); a failure not listed fails its test, with its identity and a
-scenario file that ``tqbatch replay --impl ... FILE`` reproduces. A test that
+scenario file that ``tqbatch replay FILE`` reproduces (against the target
+it was found on). A test that
 was expected to show a listed failure and did not is reported as XPASS
 (``--tqbatch-strict-known-failures``: it fails), and the terminal summary
 lists every listed failure that no test found.
