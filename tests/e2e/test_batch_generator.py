@@ -16,9 +16,10 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
+import tqbatch.mlx_lm
 from tqbatch import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
 from tqbatch.workbench.e2e import LOGITS_ATOL, reference_run
-from tqbatch.workbench.serving import MaskWidthProbe, make_prompt_caches
+from tqbatch.workbench.serving import MaskWidthProbe
 
 from .conftest import BITS, SEED, SPEC
 
@@ -35,18 +36,23 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5], [100, 200, 300, 400, 5, 6, 7, 8, 
 MAX_TOKENS = [6, 4, 5]
 
 
+def _caches(model) -> list:
+    """One request's caches: tqbatch's factory, the last layer dense as mlx-vlm's rule keeps it."""
+    return tqbatch.mlx_lm.make_prompt_cache(model, bits=BITS, seed=SEED, dense_layers=DENSE)
+
+
 @pytest.fixture
-def probed(model, monkeypatch):
-    """The model with tqbatch ``make_cache`` and the mask-width probe installed."""
-    monkeypatch.setattr(
-        model,
-        "make_cache",
-        lambda: make_prompt_caches(SPEC.num_layers, bits=BITS, seed=SEED),
-        raising=False,
-    )
+def probed(model):
+    """The model with tqbatch's ``make_cache`` and the mask-width probe installed."""
+    had, before = "make_cache" in vars(model), vars(model).get("make_cache")
+    tqbatch.mlx_lm.install_make_cache(model, bits=BITS, seed=SEED, dense_layers=DENSE)
     probe = MaskWidthProbe(model)
     yield model, probe
     probe.remove()
+    if had:
+        model.make_cache = before
+    else:
+        del model.make_cache
 
 
 def _drain(gen, late=None):
@@ -95,7 +101,7 @@ def test_batch_generator_with_tqbatch_caches_equals_requests_alone(probed):
 
 def test_batch_generator_merges_into_tqbatch_and_batch_kv_caches(probed):
     model, _ = probed
-    caches = [make_prompt_caches(SPEC.num_layers, bits=BITS, seed=SEED) for _ in range(2)]
+    caches = [_caches(model) for _ in range(2)]
     merged = [caches[0][i].merge([c[i] for c in caches]) for i in range(SPEC.num_layers)]
     # A batch's class is BatchTurboQuantKVCache configured for its bits and seed.
     assert [type(c) for c in merged] == [

@@ -46,7 +46,6 @@ __all__ = [
     "Request",
     "ServerObserver",
     "cache_key_length",
-    "make_prompt_caches",
 ]
 
 
@@ -251,22 +250,6 @@ class MaskWidthProbe:
         for i, block in enumerate(layers):
             if isinstance(block, _ProbedLayer) and block._probe is self:
                 layers[i] = block.block
-
-
-def make_prompt_caches(
-    n_layers: int, *, bits: float = 4.0, seed: int = 0, dense_layers: Sequence[int] | None = None
-) -> list:
-    """Per-request caches for mlx-lm's ``BatchGenerator`` (a model's ``make_cache()``).
-
-    TurboQuant everywhere except ``dense_layers`` (default: the last layer),
-    which get mlx-lm's ``KVCache``; merged, they become a
-    ``BatchTurboQuantKVCache`` and a ``BatchKVCache``.
-    """
-    dense = {n_layers - 1} if dense_layers is None else set(dense_layers)
-    return [
-        KVCache() if i in dense else BatchableTurboQuantKVCache(bits=bits, seed=seed)
-        for i in range(n_layers)
-    ]
 
 
 DraftProposer = Callable[[Request, int], Sequence[int]]
