@@ -69,6 +69,12 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--markdown", action="store_true", help="print the matrix as a markdown table"
     )
+    parser.add_argument(
+        "--grid",
+        action="store_true",
+        help="print the statuses as a markdown grid: a row per family, a column per scenario, "
+        "each cell the targets' statuses (details: --markdown)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -110,6 +116,31 @@ def markdown(cells, targets) -> str:
     return "\n".join(lines)
 
 
+def grid(cells, targets) -> str:
+    """The statuses as a markdown grid: a row per family, a column per scenario.
+
+    A cell holds each target's status in the targets' order ("PASS / PASS"),
+    blank where the scenario does not exist for the family; details are in
+    ``markdown``.
+    """
+    by_key = {(c.family, c.scenario, c.target): c.status for c in cells}
+    families = list(dict.fromkeys(c.family for c in cells))
+    scenarios = list(dict.fromkeys(c.scenario for c in cells))
+    lines = [
+        "| family | " + " | ".join(scenarios) + " |",
+        "|---|" + "---|" * len(scenarios),
+    ]
+    for family in families:
+        row = [
+            " / ".join(by_key[family, s, t.name] for t in targets)
+            if (family, s, targets[0].name) in by_key
+            else ""
+            for s in scenarios
+        ]
+        lines.append(f"| {family} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
@@ -136,9 +167,12 @@ def run(args: argparse.Namespace) -> int:
 
         cells = model_matrix.run_matrix(targets, args.families, args.scenarios, progress=advance)
 
+    if args.grid:
+        print(f"statuses: {' / '.join(t.name for t in targets)}\n")
+        print(grid(cells, targets))
     if args.markdown:
         print(markdown(cells, targets))
-    else:
+    elif not args.grid:
         table = Table(title=f"model-family matrix ({describe_line(args.backend)})")
         table.add_column("family")
         table.add_column("scenario")
