@@ -5,7 +5,9 @@ Each cell runs one scenario on one tiny random-weight model of one family
 their caches by mlx-vlm's own rule (``mlx_vlm.generate.ar._make_cache`` with
 TurboQuant on: the layers it would quantize hold the target; rotating,
 linear-attention and last layers keep mlx-vlm's caches), and the scenario
-drives the model the way a continuous-batching server does:
+drives the model through the workbench's serving loop, ``ContinuousBatcher``
+(with a ``MatrixAdapter``: the family's caches and forward, mlx-vlm's
+speculative helpers):
 
 * ``prefill_decode``: three left-padded prompts, batched prefill, decode.
 * ``continuous``: a request joins by ``extend``, one finishes (``extract`` then
@@ -262,7 +264,7 @@ class MatrixAdapter(ModelAdapter):
     messages; mlx-vlm's forward (``vlm_families.forward``) and ``_extend_cache``;
     verify blocks as mlx-vlm's speculative decoders run them
     (speculative/dflash.py), each row rolled back to its own accepts through
-    ``commit_speculative_round``.
+    ``commit_speculative_round``. None of the base's tqbatch layer layout is used.
     """
 
     per_row_accepts = True

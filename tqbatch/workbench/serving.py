@@ -24,9 +24,9 @@ must not be trusted to report: which input columns of each row hold a
 request's tokens (``ForwardLayout``), when rows are settled, rolled back or
 extracted. ``tqbatch.workbench.cache_oracle`` uses it to check the caches.
 
-The model must be an mlx-lm style module: ``model(tokens, cache=list)`` returns
-logits ``(B, T, vocab)`` and ``model.layers`` is the list of blocks, called as
-``block(x, mask, cache)``.
+Under the default adapter the model must be an mlx-lm style module:
+``model(tokens, cache=list)`` returns logits ``(B, T, vocab)`` and
+``model.layers`` is the list of blocks, called as ``block(x, mask, cache)``.
 """
 
 from __future__ import annotations
