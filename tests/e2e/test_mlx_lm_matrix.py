@@ -65,7 +65,7 @@ def test_doc_matrix_covers_every_mlx_lm_cell():
     ("mutant", "scenario", "pattern"),
     [
         # A mask that hides the left-padded rows' own tokens: attention is wrong
-        # from the first forward on, in the matrix's server and in BatchGenerator's.
+        # from the first forward on, in ContinuousBatcher and in BatchGenerator.
         ("HandWrittenMaskHidesLeftPadded", "prefill_decode", r"attention output differs"),
         ("HandWrittenMaskHidesLeftPadded", "batch_generator", r"attention output differs"),
         # An extract one token short: the cache BatchGenerator hands back is checked.

@@ -11,7 +11,7 @@ into the running batch (``extend``), decoded greedily, removed mid-flight
 ``BatchGenerator`` cannot be teacher-forced, but its greedy tokens are the
 request's alone tokens while the batch is right. Its two model calls
 (``PromptProcessingBatch.prompt`` and ``GenerationBatch._step``) are wrapped
-for the run so that each is one of the matrix server's forwards: every write
+for the run so that each is one forward under the matrix's oracle: every write
 to a target layer feeds the request's reference, every attention call on it
 and every row afterwards is checked (``model_matrix.Oracle``), and so is every
 cache handed back. Each token must be the request's alone token, and its
@@ -30,6 +30,7 @@ from tqbatch import mlx_lm as tq_mlx_lm
 from tqbatch.cache import BatchTurboQuantKVCache
 from tqbatch.testing.reference import to_numpy
 from tqbatch.workbench.cache_oracle import CacheCheckFailed
+from tqbatch.workbench.serving import ForwardLayout
 
 __all__ = ["MAX_TOKENS", "run"]
 
@@ -42,11 +43,15 @@ LATE_STEP = 2  # B and D join after this many decode steps of A and C
 REMOVE_STEP = 5  # B is removed after this many
 
 
-def run(server, requests) -> None:
-    """Drive ``server.model`` through mlx-lm's ``BatchGenerator``; raises ``CacheCheckFailed``."""
-    from tqbatch.workbench.model_matrix import BITS, SEED, _Batch
+def run(adapter, requests) -> None:
+    """Drive ``adapter.model`` (a ``model_matrix.MatrixAdapter``) through mlx-lm's
+    ``BatchGenerator`` under ``adapter.oracle``; raises ``CacheCheckFailed``.
 
-    model, target = server.model, server.target
+    ``requests`` are teacher-forced ``serving.Request``s: each token taken is
+    appended to the request's ``tokens``."""
+    from tqbatch.workbench.model_matrix import BITS, SEED
+
+    model, target, oracle = adapter.model, adapter.target, adapter.oracle
     keys: dict[int, str] = {}  # BatchGenerator's uid -> the matrix request
 
     def fresh_caches():
@@ -68,46 +73,44 @@ def run(server, requests) -> None:
         (uid,) = gen.insert([prompt], [max_tokens], caches=[caches], all_tokens=[all_tokens])
         keys[uid] = key
 
-    def batch_of(part) -> _Batch:
-        server._note_layers(part.prompt_cache)
-        return _Batch([requests[keys[u]] for u in part.uids], part.prompt_cache)
+    def forward(part, real, kind: str, settled: str, call):
+        """``call()``, one forward of ``part``'s rows under the oracle, then its rows settled."""
+        adapter.note_layers(part.prompt_cache)
+        uids = tuple(keys[u] for u in part.uids)
+        with oracle.forward(ForwardLayout(kind, uids, tuple(real)), part.prompt_cache):
+            result = call()
+        oracle.settled(uids, part.prompt_cache, settled)
+        return result
 
     original_prompt, original_step = PromptProcessingBatch.prompt, GenerationBatch._step
 
     def prompt(part, tokens):
         if not part.uids or not tokens:  # mlx-lm returns at once: no forward
             return original_prompt(part, tokens)
-        batch = batch_of(part)
         # Right-padded: row b's real columns are its first len(tokens[b]).
         real = [range(0, len(t)) for t in tokens]
-        server._forward(batch, None, real, "prompt", run=lambda: original_prompt(part, tokens))
-        server.settle(batch, "prompt (finalized)")
+        forward(part, real, "prompt", "prompt (finalized)", lambda: original_prompt(part, tokens))
 
     def step(part):
-        batch = batch_of(part)
-        result = server._forward(
-            batch, None, [range(0, 1)] * len(part.uids), "decode", run=lambda: original_step(part)
-        )
-        server.settle(batch, "decode")
-        return result
+        real = [range(0, 1)] * len(part.uids)
+        return forward(part, real, "decode", "decode", lambda: original_step(part))
 
     def take(r):
         """Check one response against the request alone; the caches it hands back too."""
         key = keys[r.uid]
         req = requests[key]
-        if req.fed >= len(req.teacher):
+        n = len(req.tokens)
+        if n >= len(req.teacher):
             raise CacheCheckFailed(f"{key} got a token past its {len(req.teacher)} alone ones")
-        if r.token != req.teacher[req.fed]:
-            raise CacheCheckFailed(
-                f"{key}'s token {req.fed} is {r.token}, alone {req.teacher[req.fed]}"
-            )
-        alone = req.alone[req.fed]
+        if r.token != req.teacher[n]:
+            raise CacheCheckFailed(f"{key}'s token {n} is {r.token}, alone {req.teacher[n]}")
+        alone = req.alone[n]
         alone = alone - np.log(np.sum(np.exp(alone - alone.max()))) - alone.max()
         logprobs = to_numpy(r.logprobs.astype(mx.float32))
         req.gaps.append(float(np.abs(logprobs - alone).max()))
-        req.fed += 1
+        req.tokens.append(r.token)
         if r.finish_reason is not None:
-            server.oracle.extracted(key, r.prompt_cache, f"cache {key} finished with")
+            oracle.extracted(key, r.prompt_cache, f"cache {key} finished with")
         return key
 
     PromptProcessingBatch.prompt, GenerationBatch._step = prompt, step
@@ -124,8 +127,9 @@ def run(server, requests) -> None:
                     # BatchGenerator has already fed the last token it returned (it
                     # computes one step ahead): the caches hold it. The follow-up
                     # prompt is the token the request would have produced next.
-                    follow_up = requests["A"].teacher[requests["A"].fed]
-                    requests["A"].fed += 1
+                    a = requests["A"]
+                    follow_up = a.teacher[len(a.tokens)]
+                    a.tokens.append(follow_up)
                     tokens = list(r.all_tokens)
                     insert("A", [follow_up], REUSE, reusable(r.prompt_cache), tokens)
             if steps == LATE_STEP:
@@ -136,10 +140,10 @@ def run(server, requests) -> None:
                 removed = gen.remove([uid], return_prompt_caches=True)
                 if uid not in removed:
                     raise CacheCheckFailed(f"remove of B at step {steps}: no caches handed back")
-                server.oracle.extracted("B", removed[uid][0], "cache B was removed with")
+                oracle.extracted("B", removed[uid][0], "cache B was removed with")
     finally:
         PromptProcessingBatch.prompt, GenerationBatch._step = original_prompt, original_step
-    done = {k: requests[k].fed for k in MAX_TOKENS}
+    done = {k: len(requests[k].tokens) for k in MAX_TOKENS}
     want = {k: n + (1 + REUSE if k == "A" else 0) for k, n in MAX_TOKENS.items()}
     want["B"] = done["B"]  # removed mid-flight: however far it got
     if done != want or not reused or done["B"] >= MAX_TOKENS["B"]:

@@ -36,8 +36,8 @@ compare with it. Then it checks, with the rounding bounds of
 
 Rollbacks trim the references as the server trims its batch. The references
 and the checks are ``tqbatch.workbench.request_oracle.RequestOracle``'s; this
-module follows a server's hooks (``ServerObserver``): ``ContinuousBatcher``'s
-and the model matrix's server's, whose ``model_matrix.Oracle`` is this class.
+module follows a server's hooks (``ServerObserver``): ``ContinuousBatcher``'s,
+also where the model matrix drives it, whose ``model_matrix.Oracle`` is this class.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """One forward under the request oracle: what each cache was handed, fed to the references,
 and each row's attention checked.
 
-Both serving loops run their forwards through it (``cache_oracle.CacheOracle``
-for ``ContinuousBatcher``, the model matrix's server). During the forward the
+The serving loops run their forwards through it (``cache_oracle.CacheOracle``
+for ``ContinuousBatcher``, which the model matrix drives too, and for the
+matrix's run of mlx-lm's ``BatchGenerator``). During the forward the
 K/V handed to every watched cache object and every attention call of the
 model's modules are recorded (``kv_ledger``). Afterwards each watched layer's
 cache must have been handed its K/V once, or (qwen3_5) the model must have

@@ -5,7 +5,9 @@ Each cell runs one scenario on one tiny random-weight model of one family
 their caches by mlx-vlm's own rule (``mlx_vlm.generate.ar._make_cache`` with
 TurboQuant on: the layers it would quantize hold the target; rotating,
 linear-attention and last layers keep mlx-vlm's caches), and the scenario
-drives the model the way a continuous-batching server does:
+drives the model through the workbench's serving loop, ``ContinuousBatcher``
+(with a ``MatrixAdapter``: the family's caches and forward, mlx-vlm's
+speculative helpers):
 
 * ``prefill_decode``: three left-padded prompts, batched prefill, decode.
 * ``continuous``: a request joins by ``extend``, one finishes (``extract`` then
@@ -59,7 +61,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -77,7 +79,7 @@ from tqbatch.workbench import lm_families, vlm_families
 from tqbatch.workbench.cache_oracle import CacheCheckFailed, CacheOracle
 from tqbatch.workbench.cache_rows import FULL_PRECISION_BATCHES
 from tqbatch.workbench.request_oracle import RequestChecks
-from tqbatch.workbench.serving import ForwardLayout
+from tqbatch.workbench.serving import ContinuousBatcher, ModelAdapter, Request
 
 __all__ = [
     "ALL_FAMILIES",
@@ -87,6 +89,7 @@ __all__ = [
     "MODEL_GAP_LIMIT",
     "SCENARIOS",
     "Cell",
+    "MatrixAdapter",
     "Target",
     "run_cell",
     "regressions",
@@ -186,31 +189,15 @@ def target_for(spec: str) -> Target:
 # ---------------------------------------------------------------- requests
 
 
-@dataclass
-class _Request:
-    """A prompt, the tokens and logits it gets run alone, and how far the batch has fed it."""
-
-    uid: str
-    prompt: list[int]
-    teacher: list[int]  # teacher[j] is the j-th generated token alone
-    alone: list[np.ndarray]  # alone[j]: the (vocab,) logits that produced teacher[j]
-    fed: int = 0  # generated tokens fed to the batch so far (teacher[:fed])
-    gaps: list[float] = field(default_factory=list)
-
-    def compare(self, position: int, logits: mx.array):
-        """Logits the batch produced for ``teacher[position]``."""
-        if position < len(self.alone):
-            self.gaps.append(float(np.abs(to_numpy(logits) - self.alone[position]).max()))
-
-
 def _logits(model, tokens: Sequence[Sequence[int]], caches) -> mx.array:
     logits = vlm_families.forward(model, mx.array(tokens, dtype=mx.int32), caches)
     mx.eval(logits)
     return logits
 
 
-def _alone_run(model, family: str, target: Target, layers, uid, prompt, steps) -> _Request:
-    """Request ``uid`` run alone: greedy for ``steps`` tokens, on single-request caches."""
+def _alone_run(model, family: str, target: Target, layers, uid, prompt, steps) -> Request:
+    """Request ``uid`` run alone: greedy for ``steps`` tokens, on single-request caches;
+    returned teacher-forced with those tokens and their logits alone."""
     late = target.quantized and spec(family).prefills_rows_in_full_precision
     alone = Target("full precision", None) if late else target
     caches = alone.alone_caches(model, layers, family)
@@ -226,7 +213,7 @@ def _alone_run(model, family: str, target: Target, layers, uid, prompt, steps) -
         teacher.append(token)
         alone.append(to_numpy(logits))
         logits = _logits(model, [[token]], caches)[0, -1]
-    return _Request(uid, list(prompt), teacher, alone)
+    return Request(uid, list(prompt), steps, teacher=teacher, alone=alone)
 
 
 # ---------------------------------------------------------------- the oracle
@@ -266,136 +253,69 @@ class Oracle(CacheOracle):
         self.classes: dict[int, str] = {}
 
 
-# ---------------------------------------------------------------- the server
+# ---------------------------------------------------------------- the model adapter
 
 
-@dataclass
-class _Batch:
-    rows: list[_Request]
-    caches: list
+class MatrixAdapter(ModelAdapter):
+    """One family's model as ``ContinuousBatcher`` serves it in the matrix.
 
+    The target's caches by the family's rule (``Target.batch_caches`` and
+    ``alone_caches``), each batch's layer classes noted for the oracle's
+    messages; mlx-vlm's forward (``vlm_families.forward``) and ``_extend_cache``;
+    verify blocks as mlx-vlm's speculative decoders run them
+    (speculative/dflash.py), each row rolled back to its own accepts through
+    ``commit_speculative_round``. None of the base's tqbatch layer layout is used.
+    """
 
-class _Server:
-    """Drives one model like a continuous-batching server, under the oracle."""
+    per_row_accepts = True
 
     def __init__(
         self, model, family: str, target: Target, layers, oracle: Oracle, diagnose: bool = False
     ):
-        self.model, self.target, self.layers = model, target, tuple(layers)
-        self.family = family
+        self.model, self.family, self.target = model, family, target
+        self.layers = tuple(layers)
         self.oracle = oracle
         # Diagnosing a failed cell: the sliding-window layers' caches are watched too.
         self.diagnose = diagnose
-        self.forwards = 0
 
-    # -------- one forward, under the oracle
+    def batch_caches(self, left_padding: Sequence[int]) -> list:
+        caches = self.target.batch_caches(self.model, left_padding, self.family)
+        self.note_layers(caches)
+        return caches
 
-    def _forward(self, batch: _Batch, tokens, real: Sequence[range], kind: str, run=None):
-        self.forwards += 1
-        layout = ForwardLayout(kind, tuple(r.uid for r in batch.rows), tuple(real))
-        with self.oracle.forward(layout, batch.caches):
-            result = (run or (lambda: _logits(self.model, tokens, batch.caches)))()
-        return result
+    def single_caches(self) -> list:
+        return self.target.alone_caches(self.model, self.layers, self.family)
 
-    # -------- server operations
+    def merge(self, singles):
+        raise NotImplementedError("the matrix's scenarios do not merge")
 
-    def prefill(self, requests: Sequence[_Request]) -> _Batch:
-        longest = max(len(r.prompt) for r in requests)
-        padding = [longest - len(r.prompt) for r in requests]
-        batch = _Batch(list(requests), self.target.batch_caches(self.model, padding, self.family))
-        self._note_layers(batch.caches)
-        tokens = [[0] * p + r.prompt for p, r in zip(padding, requests)]
-        real = [range(p, longest) for p in padding]
-        logits = self._forward(batch, tokens, real, "prefill")
-        for row, req in enumerate(requests):
-            req.compare(0, logits[row, -1])
-        self.settle(batch, "prefill")
-        return batch
-
-    def _note_layers(self, caches):
+    def note_layers(self, caches: list):
         for layer, cache in enumerate(caches):
             self.oracle.classes.setdefault(layer, type(cache).__name__)
             if self.diagnose and layer not in self.layers and hasattr(cache, "max_size"):
                 self.oracle.windows.setdefault(layer, int(cache.max_size))
 
-    def decode(self, batch: _Batch, steps: int = 1):
-        for _ in range(steps):
-            tokens = [[r.teacher[r.fed]] for r in batch.rows]
-            logits = self._forward(batch, tokens, [range(0, 1)] * len(batch.rows), "decode")
-            for row, req in enumerate(batch.rows):
-                req.fed += 1
-                req.compare(req.fed, logits[row, 0])
-            self.settle(batch, "decode")
+    def forward(self, tokens: mx.array, caches: list) -> mx.array:
+        return vlm_families.forward(self.model, tokens, caches)
 
-    def verify(self, batch: _Batch, accepted: Sequence[int], block: int, capture: bool = False):
-        """A verify block: row b feeds its pending token, ``accepted[b]`` right drafts, then
-        wrong ones; mlx-vlm's helpers keep ``accepted[b] + 1`` tokens of each row.
-
-        ``capture``: the target model also hands back a layer's hidden states,
-        as DFlash and EAGLE verify (``capture_layer_ids``)."""
-        tokens = []
-        for req, a in zip(batch.rows, accepted):
-            right = req.teacher[req.fed : req.fed + 1 + a]
-            wrong = [(t + 1) % 97 for t in req.teacher[req.fed + 1 + a : req.fed + block]]
-            row = right + wrong
-            tokens.append(row + [0] * (block - len(row)))
+    def verify_forward(self, tokens: mx.array, caches: list, capture_layer_ids=None):
+        # A model with its own rollback verifies in one call and rolls back
+        # itself; any other in a cache transaction of mlx-vlm's helpers.
         model = self.model
+        kwargs = vlm_families.call_kwargs(model, tokens, caches)
+        if capture_layer_ids is not None:
+            kwargs["capture_layer_ids"] = list(capture_layer_ids)
+        if callable(getattr(model, "rollback_speculative_cache", None)):
+            output = model(tokens, cache=caches, speculative_verify=True, **kwargs)
+            return vlm_families.logits_of(output), getattr(output, "gdn_states", None)
+        output, state = verify_forward(model, tokens, caches, **kwargs)
+        return vlm_families.logits_of(output), state
 
-        def run():
-            # As mlx-vlm's speculative decoders verify (speculative/dflash.py):
-            # a model with its own rollback verifies in one call and rolls back
-            # itself; any other in a cache transaction of mlx-vlm's helpers.
-            inputs = mx.array(tokens, dtype=mx.int32)
-            kwargs = vlm_families.call_kwargs(model, inputs, batch.caches)
-            if capture:
-                kwargs["capture_layer_ids"] = [self.layers[0]]
-            if callable(getattr(model, "rollback_speculative_cache", None)):
-                output = model(inputs, cache=batch.caches, speculative_verify=True, **kwargs)
-                return vlm_families.logits_of(output), getattr(output, "gdn_states", None)
-            output, state = verify_forward(model, inputs, batch.caches, **kwargs)
-            return vlm_families.logits_of(output), state
+    def extend(self, caches: list, joining: list) -> list:
+        return _extend_cache(caches, joining)
 
-        logits, state = self._forward(
-            batch, None, [range(0, block)] * len(batch.rows), "verify", run
-        )
-        mx.eval(logits)
-        commit_speculative_round(model, batch.caches, state, list(accepted), block)
-        for row, (req, a) in enumerate(zip(batch.rows, accepted)):
-            for j in range(a + 1):
-                req.compare(req.fed + 1 + j, logits[row, j])
-            self.oracle.rolled_back([req.uid], block - (a + 1))
-            req.fed += a + 1
-        self.settle(batch, f"commit {list(accepted)}")
-
-    def join(self, batch: _Batch, requests: Sequence[_Request]) -> _Batch:
-        joined = self.prefill(requests)
-        batch.caches = _extend_cache(batch.caches, joined.caches)
-        batch.rows += joined.rows
-        self.settle(batch, "extend")
-        return batch
-
-    def finish(self, batch: _Batch, row: int) -> tuple[_Request, list]:
-        req = batch.rows[row]
-        singles = [c.extract(row) for c in batch.caches]
-        self.oracle.extracted(req.uid, singles, f"extract of {req.uid}")
-        keep = [i for i in range(len(batch.rows)) if i != row]
-        for c in batch.caches:
-            c.filter(mx.array(keep, dtype=mx.int32))
-        batch.rows = [batch.rows[i] for i in keep]
-        self.settle(batch, f"filter {keep}")
-        return req, singles
-
-    def decode_alone(self, req: _Request, caches: list, steps: int):
-        alone = _Batch([req], caches)
-        for _ in range(steps):
-            tokens = [[req.teacher[req.fed]]]
-            logits = self._forward(alone, tokens, [range(0, 1)], f"{req.uid} alone")
-            req.fed += 1
-            req.compare(req.fed, logits[0, 0])
-        self.oracle.extracted(req.uid, caches, "decoding alone after extract")
-
-    def settle(self, batch: _Batch, where: str):
-        self.oracle.settled([r.uid for r in batch.rows], batch.caches, where)
+    def roll_back(self, caches: list, state, accepted: Sequence[int], block: int):
+        commit_speculative_round(self.model, caches, state, list(accepted), block)
 
 
 def _attention_modules(family: str) -> list:
@@ -422,43 +342,65 @@ def _prompt(uid: str, vocab: int) -> list[int]:
     return [int(t) for t in rng.integers(1, min(vocab, 97), PROMPTS[uid])]
 
 
-def _scenario_prefill_decode(server: _Server, reqs):
-    batch = server.prefill([reqs["A"], reqs["B"], reqs["C"]])
-    server.decode(batch, 4)
+def _decode(server: ContinuousBatcher, steps: int):
+    for _ in range(steps):
+        server.step()
 
 
-def _scenario_continuous(server: _Server, reqs):
-    batch = server.prefill([reqs["A"], reqs["C"]])
-    server.decode(batch, 2)
-    server.join(batch, [reqs["B"], reqs["D"]])
-    server.decode(batch, 2)
-    req, singles = server.finish(batch, 0)
-    server.decode_alone(req, singles, 2)
-    server.decode(batch, 2)
+def _verify(server: ContinuousBatcher, accepted: Sequence[int], block: int, capture=False):
+    """A verify block: row b feeds its pending token, ``accepted[b]`` right drafts, then
+    wrong ones; mlx-vlm's helpers keep ``accepted[b] + 1`` tokens of each row.
+
+    ``capture``: the target model also hands back a layer's hidden states,
+    as DFlash and EAGLE verify (``capture_layer_ids``)."""
+    accepts = dict(zip((r.uid for r in server.active), accepted))
+
+    def propose(r: Request, n: int) -> list[int]:
+        start, right = len(r.tokens), accepts[r.uid]
+        wrong = r.teacher[start + right : start + n]
+        return r.teacher[start : start + right] + [(t + 1) % 97 for t in wrong]
+
+    layers = [server.adapter.layers[0]] if capture else None
+    server.verify(propose, block, capture_layer_ids=layers)
 
 
-def _scenario_speculative(server: _Server, reqs):
-    batch = server.prefill([reqs["A"], reqs["B"], reqs["C"]])
-    server.decode(batch, 1)
-    server.verify(batch, [2, 0, 1], block=3)
-    server.verify(batch, [0, 2, 1], block=3)
-    server.decode(batch, 1)
+def _scenario_prefill_decode(server: ContinuousBatcher, reqs):
+    server.admit_left_padded([reqs["A"], reqs["B"], reqs["C"]])
+    _decode(server, 4)
 
 
-def _scenario_speculative_capture(server: _Server, reqs):
-    batch = server.prefill([reqs["A"], reqs["B"], reqs["C"]])
-    server.decode(batch, 1)
+def _scenario_continuous(server: ContinuousBatcher, reqs):
+    server.admit_left_padded([reqs["A"], reqs["C"]])
+    _decode(server, 2)
+    server.admit_left_padded([reqs["B"], reqs["D"]])
+    _decode(server, 2)
+    server.finish("A")
+    server.decode_alone("A", 2)
+    _decode(server, 2)
+
+
+def _scenario_speculative(server: ContinuousBatcher, reqs):
+    server.admit_left_padded([reqs["A"], reqs["B"], reqs["C"]])
+    _decode(server, 1)
+    _verify(server, [2, 0, 1], block=3)
+    _verify(server, [0, 2, 1], block=3)
+    _decode(server, 1)
+
+
+def _scenario_speculative_capture(server: ContinuousBatcher, reqs):
+    server.admit_left_padded([reqs["A"], reqs["B"], reqs["C"]])
+    _decode(server, 1)
     # Blocks of 3 and of 2: qwen3_5's verifier attends them on different paths.
     for accepted, block in (([2, 0, 1], 3), ([0, 2, 1], 3), ([1, 0, 1], 2)):
-        server.verify(batch, accepted, block=block, capture=True)
-    server.decode(batch, 1)
+        _verify(server, accepted, block=block, capture=True)
+    _decode(server, 1)
 
 
-def _scenario_uniform_rollback(server: _Server, reqs):
-    batch = server.prefill([reqs["A"], reqs["B"], reqs["C"]])
-    server.decode(batch, 1)
-    server.verify(batch, [1, 1, 1], block=3)
-    server.decode(batch, 1)
+def _scenario_uniform_rollback(server: ContinuousBatcher, reqs):
+    server.admit_left_padded([reqs["A"], reqs["B"], reqs["C"]])
+    _decode(server, 1)
+    _verify(server, [1, 1, 1], block=3)
+    _decode(server, 1)
 
 
 _SCENARIO_RUNS = {
@@ -595,7 +537,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
     model = _model(family)
     layers = _quantized_layers(family, model)
     oracle = Oracle(target, layers, family)
-    requests: dict[str, _Request] = {}
+    requests: dict[str, Request] = {}
     # mlx-lm's attention hands TurboQuant caches to mlx-vlm's only under the route.
     route = tq_mlx_lm.routed() if lm_families.is_lm(family) else nullcontext()
     try:
@@ -603,12 +545,13 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
             for uid in PROMPTS:
                 prompt = _prompt(uid, vlm_families.vocab_size(model))
                 requests[uid] = _alone_run(model, family, target, layers, uid, prompt, STEPS)
-            server = _Server(model, family, target, layers, oracle, diagnose)
+            adapter = MatrixAdapter(model, family, target, layers, oracle, diagnose)
             if scenario == "batch_generator":
                 from tqbatch.workbench import batch_generator_scenario
 
-                batch_generator_scenario.run(server, requests)
+                batch_generator_scenario.run(adapter, requests)
             else:
+                server = ContinuousBatcher(model, probe=False, observer=oracle, adapter=adapter)
                 _SCENARIO_RUNS[scenario](server, requests)
     except CacheCheckFailed as exc:
         return Cell(
@@ -621,7 +564,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
             oracle.total_checks,
             time.perf_counter() - start,
             admitted=oracle.admitted,
-            requests=_verdicts(requests, oracle),
+            requests=_verdicts(requests, oracle, scenario),
         )
     except Exception as exc:  # the model's or the cache's own code raised
         where = traceback.extract_tb(exc.__traceback__)[-1]
@@ -639,7 +582,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
             oracle.total_checks,
             time.perf_counter() - start,
             admitted=oracle.admitted,
-            requests=_verdicts(requests, oracle),
+            requests=_verdicts(requests, oracle, scenario),
         )
     gap = _gap(requests)
     status, detail = "PASS", ""
@@ -656,16 +599,20 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
         time.perf_counter() - start,
         gap_failure=status == "FAIL",
         admitted=oracle.admitted,
-        requests=_verdicts(requests, oracle),
+        requests=_verdicts(requests, oracle, scenario),
     )
 
 
-def _verdicts(requests, oracle: Oracle) -> tuple[RequestVerdict, ...]:
+def _verdicts(requests, oracle: Oracle, scenario: str) -> tuple[RequestVerdict, ...]:
+    # The tokens fed to the model: all but ContinuousBatcher's pending last one
+    # (BatchGenerator computes one step ahead, so it has fed every token it gave).
+    pending = 0 if scenario == "batch_generator" else 1
     out = []
     for uid, req in requests.items():
         checks = oracle.checks.get(uid, RequestChecks())
         gap = max(req.gaps, default=None)
-        out.append(RequestVerdict(uid, checks.total, checks.worst, req.fed, gap))
+        fed = max(0, len(req.tokens) - pending)
+        out.append(RequestVerdict(uid, checks.total, checks.worst, fed, gap))
     return tuple(out)
 
 

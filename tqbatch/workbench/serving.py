@@ -8,6 +8,12 @@ back after a speculative verify block (``trim``). Every layer holds a
 ``tqbatch.BatchTurboQuantKVCache`` except the ``dense_layers``, which hold a
 full-precision mlx-lm ``BatchKVCache`` (omlx keeps the last layer dense).
 
+A ``ModelAdapter`` changes how the loop makes caches, calls the model, joins
+batches and rolls verify blocks back; the model-family matrix
+(``tqbatch.workbench.model_matrix``) drives mlx-vlm's and mlx-lm's model
+classes through one, finishing named rows (``finish``) and decoding them alone
+on their extracted caches (``decode_alone``).
+
 The model builds one attention mask per forward from the first layer's cache
 and hands it to every layer; ``MaskWidthProbe`` wraps the layers to check that
 each layer's cache agrees with that mask's width, so a dense layer and a
@@ -18,9 +24,9 @@ must not be trusted to report: which input columns of each row hold a
 request's tokens (``ForwardLayout``), when rows are settled, rolled back or
 extracted. ``tqbatch.workbench.cache_oracle`` uses it to check the caches.
 
-The model must be an mlx-lm style module: ``model(tokens, cache=list)`` returns
-logits ``(B, T, vocab)`` and ``model.layers`` is the list of blocks, called as
-``block(x, mask, cache)``.
+Under the default adapter the model must be an mlx-lm style module:
+``model(tokens, cache=list)`` returns logits ``(B, T, vocab)`` and
+``model.layers`` is the list of blocks, called as ``block(x, mask, cache)``.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch.cache import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
+from tqbatch.testing.reference import to_numpy
 
 __all__ = [
     "BatchableTurboQuantKVCache",
@@ -43,6 +51,7 @@ __all__ = [
     "ForwardLayout",
     "MaskGeometryError",
     "MaskWidthProbe",
+    "ModelAdapter",
     "Request",
     "ServerObserver",
     "cache_key_length",
@@ -63,6 +72,10 @@ class Request:
     forcing: the batched run follows a known sequence, so a float-noise flip of
     its argmax cannot derail it). The last token is *pending*: generated but
     not yet fed to the model.
+
+    ``alone[j]``, where given, is the (vocab,) logits row that produced
+    ``teacher[j]`` with the request run alone; ``gaps`` then gets, per recorded
+    step, the largest distance of the batch's logits from it.
     """
 
     uid: str
@@ -71,6 +84,8 @@ class Request:
     teacher: list[int] | None = None
     tokens: list[int] = field(default_factory=list)
     logits: list[mx.array] = field(default_factory=list)
+    alone: list[np.ndarray] | None = None
+    gaps: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.prompt:
@@ -108,6 +123,8 @@ class Request:
     def record(self, logits: mx.array):
         """Append one step from a (vocab,) logits row: the teacher's token or the argmax."""
         token = self.next_tokens(logits[None])[0]
+        if self.alone is not None and len(self.tokens) < len(self.alone):
+            self.gaps.append(float(np.abs(to_numpy(logits) - self.alone[len(self.tokens)]).max()))
         self.logits.append(logits)
         self.tokens.append(token)
 
@@ -255,19 +272,19 @@ class MaskWidthProbe:
 DraftProposer = Callable[[Request, int], Sequence[int]]
 
 
-class ContinuousBatcher:
-    """Continuous batched greedy decoding with one cache per layer.
+class ModelAdapter:
+    """How the loop makes one model's caches, calls it, joins batches and rolls verify
+    blocks back.
 
-    Args:
-        model: mlx-lm style language model (see the module docstring).
-        bits, seed: TurboQuant configuration of every quantized layer.
-        dense_layers: indices of layers kept in full precision; default the last.
-        probe: check mask width against every layer's cache on each forward.
-        batch_cache_class: the quantized batch cache under test (default
-            tqbatch's; the harness passes ``load_impl()`` or a mutant).
-        observer: told the layout of every forward and every rollback,
-            settling and extraction (see ``ServerObserver``).
+    This one is tqbatch's layout: every layer a quantized batch cache
+    (``batch_cache_class``, tqbatch's by default) except the ``dense_layers``
+    (default the last), which hold mlx-lm's ``BatchKVCache``; ``model(tokens,
+    cache=caches)`` returns logits; a joining batch is ``extend``-ed in place
+    and a verify block is rolled back by one ``trim`` of every cache, so every
+    row accepts the same number of drafts (``per_row_accepts`` False).
     """
+
+    per_row_accepts = False
 
     def __init__(
         self,
@@ -276,9 +293,7 @@ class ContinuousBatcher:
         bits: float = 4.0,
         seed: int = 0,
         dense_layers: Sequence[int] | None = None,
-        probe: bool = True,
         batch_cache_class: type = BatchTurboQuantKVCache,
-        observer: ServerObserver | None = None,
     ):
         n_layers = len(model.layers)
         dense = {n_layers - 1} if dense_layers is None else set(dense_layers)
@@ -291,15 +306,6 @@ class ContinuousBatcher:
         self.dense_layers = frozenset(dense)
         self.batch_cache_class = batch_cache_class
         self.n_layers = n_layers
-        self.probe = MaskWidthProbe(model) if probe else None
-        self.observer = observer if observer is not None else ServerObserver()
-        self.active: list[Request] = []
-        self.caches: list | None = None
-        self.finished: dict[str, FinishedRequest] = {}
-        self.forwards = 0
-        self.trimmed = 0  # slots rolled back by speculative verification
-
-    # ------------------------------------------------------------------ caches
 
     def single_caches(self) -> list:
         """Fresh single-request caches, one per layer."""
@@ -319,13 +325,100 @@ class ContinuousBatcher:
             for i in range(self.n_layers)
         ]
 
+    def merge(self, singles: Sequence[list]) -> list:
+        """One batch cache per layer ``merge``-d from each request's single caches."""
+        return [
+            (BatchKVCache if i in self.dense_layers else self.batch_cache_class).merge(
+                [caches[i] for caches in singles]
+            )
+            for i in range(self.n_layers)
+        ]
+
+    def forward(self, tokens: mx.array, caches: list) -> mx.array:
+        """(B, T) tokens -> (B, T, vocab) logits, writing the tokens into ``caches``."""
+        return self.model(tokens, cache=caches)
+
+    def verify_forward(self, tokens: mx.array, caches: list, capture_layer_ids=None):
+        """A verify block's forward: (logits, the state ``roll_back`` needs)."""
+        if capture_layer_ids is not None:
+            raise ValueError("this adapter's model does not capture hidden states")
+        return self.forward(tokens, caches), None
+
+    def extend(self, caches: list, joining: list) -> list:
+        """The running batch's caches with a prefilled batch's rows appended."""
+        for mine, theirs in zip(caches, joining):
+            mine.extend(theirs)
+        return caches
+
+    def roll_back(self, caches: list, state, accepted: Sequence[int], block: int):
+        """Keep ``accepted[b] + 1`` of the ``block`` verified tokens of every row ``b``."""
+        (n,) = {block - 1 - a for a in accepted}
+        for c in caches:
+            if c.trim(n) != n:
+                raise RuntimeError(f"{type(c).__name__}.trim({n}) trimmed fewer slots")
+
+
+class ContinuousBatcher:
+    """Continuous batched greedy decoding with one cache per layer.
+
+    Args:
+        model: mlx-lm style language model (see the module docstring).
+        bits, seed, dense_layers, batch_cache_class: the default adapter's
+            (``ModelAdapter``); ``batch_cache_class`` is the quantized batch
+            cache under test (the harness passes ``load_impl()`` or a mutant).
+        probe: check mask width against every layer's cache on each forward.
+        observer: told the layout of every forward and every rollback,
+            settling and extraction (see ``ServerObserver``).
+        adapter: how to make caches, call the model, join and roll back,
+            instead of the default (then ``bits`` to ``batch_cache_class`` are unused).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        bits: float = 4.0,
+        seed: int = 0,
+        dense_layers: Sequence[int] | None = None,
+        probe: bool = True,
+        batch_cache_class: type = BatchTurboQuantKVCache,
+        observer: ServerObserver | None = None,
+        adapter: ModelAdapter | None = None,
+    ):
+        if adapter is None:
+            adapter = ModelAdapter(
+                model,
+                bits=bits,
+                seed=seed,
+                dense_layers=dense_layers,
+                batch_cache_class=batch_cache_class,
+            )
+        self.model = model
+        self.adapter = adapter
+        self.probe = MaskWidthProbe(model) if probe else None
+        self.observer = observer if observer is not None else ServerObserver()
+        self.active: list[Request] = []
+        self.caches: list | None = None
+        self.finished: dict[str, FinishedRequest] = {}
+        self.forwards = 0
+        self.trimmed = 0  # slots rolled back by speculative verification (the most of any row)
+
+    # ------------------------------------------------------------------ forwards
+
     def _forward(self, tokens: mx.array, caches: list, layout: ForwardLayout) -> mx.array:
+        logits, _ = self._observed(
+            layout, caches, lambda: (self.adapter.forward(tokens, caches), None)
+        )
+        return logits
+
+    def _observed(self, layout: ForwardLayout, caches: list, call: Callable[[], tuple]):
+        """``call()``'s (logits, state) under the observer, the logits float32 and evaluated."""
         with self.observer.forward(layout, caches):
-            logits = self.model(tokens, cache=caches)
+            logits, state = call()
             logits = logits.astype(mx.float32)
             mx.eval(logits)
         self.forwards += 1
-        return logits
+        return logits, state
 
     def _uids(self, requests: Sequence[Request]) -> tuple[str, ...]:
         return tuple(r.uid for r in requests)
@@ -342,18 +435,18 @@ class ContinuousBatcher:
         longest = max(len(r.prompt) for r in requests)
         padding = [longest - len(r.prompt) for r in requests]
         if via_prepare:
-            caches = self.batch_caches([0] * len(requests))
+            caches = self.adapter.batch_caches([0] * len(requests))
             for c in caches:
                 c.prepare(left_padding=padding)
         else:
-            caches = self.batch_caches(padding)
+            caches = self.adapter.batch_caches(padding)
         tokens = mx.array([[0] * p + r.prompt for p, r in zip(padding, requests)])
         real = tuple(range(p, longest) for p in padding)
         layout = ForwardLayout("left-padded prefill", self._uids(requests), real)
         logits = self._forward(tokens, caches, layout)
         for row, r in enumerate(requests):
             r.record(logits[row, -1])
-        self._join(requests, caches)
+        self._join(requests, caches, "left-padded prefill")
 
     def admit_right_padded(self, requests: Sequence[Request]):
         """Prefill right-padded (``prepare(right_padding=...)`` + ``finalize``), then join."""
@@ -361,7 +454,7 @@ class ContinuousBatcher:
         lengths = [len(r.prompt) for r in requests]
         longest = max(lengths)
         padding = [longest - n for n in lengths]
-        caches = self.batch_caches([0] * len(requests))
+        caches = self.adapter.batch_caches([0] * len(requests))
         for c in caches:
             c.prepare(lengths=lengths, right_padding=padding)
         tokens = mx.array([r.prompt + [0] * p for p, r in zip(padding, requests)])
@@ -372,36 +465,32 @@ class ContinuousBatcher:
             c.finalize()
         for row, (r, n) in enumerate(zip(requests, lengths)):
             r.record(logits[row, n - 1])  # the last real token, not the padding
-        self._join(requests, caches)
+        self._join(requests, caches, "right-padded prefill (finalized)")
 
     def admit_merged(self, requests: Sequence[Request]):
         """Prefill each request alone in single-request caches, ``merge`` them, then join."""
         requests = list(requests)
         singles = []
         for r in requests:
-            caches = self.single_caches()
+            caches = self.adapter.single_caches()
             layout = ForwardLayout(
                 "prefill alone", (r.uid,), (range(len(r.prompt)),), batched=False
             )
             logits = self._forward(mx.array([r.prompt]), caches, layout)
             r.record(logits[0, -1])
             singles.append(caches)
-        merged = [
-            (BatchKVCache if i in self.dense_layers else self.batch_cache_class).merge(
-                [caches[i] for caches in singles]
-            )
-            for i in range(self.n_layers)
-        ]
-        self._join(requests, merged)
+        self._join(requests, self.adapter.merge(singles), "merge")
 
-    def _join(self, requests: list[Request], caches: list):
+    def _join(self, requests: list[Request], caches: list, where: str):
+        # The joining rows are checked on their own caches first, so that a
+        # failure there names the prefill rather than the extend.
+        self.observer.settled(self._uids(requests), caches, where)
+        self.active.extend(requests)
         if self.caches is None:
             self.caches = caches
         else:
-            for mine, theirs in zip(self.caches, caches):
-                mine.extend(theirs)
-        self.active.extend(requests)
-        self.observer.settled(self._uids(self.active), self.caches)
+            self.caches = self.adapter.extend(self.caches, caches)
+            self.observer.settled(self._uids(self.active), self.caches, "extend")
         self._retire()
 
     # ------------------------------------------------------------------ decoding
@@ -416,18 +505,21 @@ class ContinuousBatcher:
         logits = self._forward(pending, self.caches, layout)
         for row, r in enumerate(self.active):
             r.record(logits[row, -1])
-        self.observer.settled(uids, self.caches)
+        self.observer.settled(uids, self.caches, "decode")
         self._retire()
 
-    def verify(self, propose: DraftProposer, block: int) -> int:
+    def verify(self, propose: DraftProposer, block: int, capture_layer_ids=None) -> int:
         """One speculative step: verify ``block - 1`` drafted tokens per row at once.
 
-        Feeds ``[pending, d_1, ..., d_{block-1}]`` to every row, accepts the
-        longest draft prefix that *every* row's prediction confirms (greedy,
-        or the teacher's tokens under teacher forcing; one ``trim`` serves
-        the whole batch), rolls the rest back with
-        ``trim`` and records the accepted steps. Returns the number of drafts
-        accepted. Acceptance is capped so no request exceeds its budget.
+        Feeds ``[pending, d_1, ..., d_{block-1}]`` to every row; a row accepts
+        the longest draft prefix its predictions confirm (greedy, or the
+        teacher's tokens under teacher forcing). Unless the adapter rolls rows
+        back one by one (``per_row_accepts``), every row accepts the fewest
+        any row does, so one ``trim`` serves the whole batch. The rest is
+        rolled back and the accepted steps recorded. ``capture_layer_ids``:
+        the model also hands back those layers' hidden states, as DFlash and
+        EAGLE verify. Returns the number of drafts every row accepted.
+        Acceptance is capped so no request exceeds its budget.
         """
         if not self.active:
             raise RuntimeError("verify: no active requests")
@@ -442,31 +534,34 @@ class ContinuousBatcher:
         inputs = mx.array([[r.tokens[-1]] + d for r, d in zip(self.active, drafts)])
         uids = self._uids(self.active)
         layout = ForwardLayout(f"verify {block}-token block", uids, (range(block),) * len(uids))
-        logits = self._forward(inputs, self.caches, layout)
-        predicted = [r.next_tokens(logits[row]) for row, r in enumerate(self.active)]
+        logits, state = self._observed(
+            layout,
+            self.caches,
+            lambda: self.adapter.verify_forward(inputs, self.caches, capture_layer_ids),
+        )
 
-        accepted = block - 1
-        for row_pred, d in zip(predicted, drafts):
+        accepted = []
+        for row, (r, d) in enumerate(zip(self.active, drafts)):
+            predicted = r.next_tokens(logits[row])
             n = 0
-            while n < len(d) and row_pred[n] == d[n]:
+            while n < len(d) and predicted[n] == d[n]:
                 n += 1
-            accepted = min(accepted, n)
-        # Recording accepted + 1 steps must stay within every budget.
-        accepted = max(0, min(accepted, min(r.remaining for r in self.active) - 1))
+            # Recording n + 1 steps must stay within the budget.
+            accepted.append(max(0, min(n, r.remaining - 1)))
+        if not self.adapter.per_row_accepts:
+            accepted = [min(accepted)] * len(accepted)
 
-        rollback = block - 1 - accepted
-        for c in self.caches:
-            if c.trim(rollback) != rollback:
-                raise RuntimeError(f"{type(c).__name__}.trim({rollback}) trimmed fewer slots")
-        self.trimmed += rollback
-        if rollback:
-            self.observer.rolled_back(uids, rollback)
-        for row, r in enumerate(self.active):
-            for j in range(accepted + 1):
+        self.adapter.roll_back(self.caches, state, accepted, block)
+        self.trimmed += max(block - 1 - a for a in accepted)
+        for uid, a in zip(uids, accepted):
+            if block - 1 - a:
+                self.observer.rolled_back([uid], block - 1 - a)
+        for row, (r, a) in enumerate(zip(self.active, accepted)):
+            for j in range(a + 1):
                 r.record(logits[row, j])
-        self.observer.settled(uids, self.caches)
+        self.observer.settled(uids, self.caches, f"commit {accepted}")
         self._retire()
-        return accepted
+        return min(accepted)
 
     # ------------------------------------------------------------------ leaving
 
@@ -486,6 +581,31 @@ class ContinuousBatcher:
         else:
             self.caches = None  # filter([]) is not a thing: the batch is gone
         self.active = [self.active[i] for i in keep]
+
+    def finish(self, uid: str) -> FinishedRequest:
+        """End request ``uid`` before its budget, as a server does on a stop: ``extract``
+        its row, then ``filter`` the others."""
+        row = self._uids(self.active).index(uid)
+        r = self.active[row]
+        self.finished[uid] = FinishedRequest(r, [c.extract(row) for c in self.caches])
+        self.observer.extracted(uid, self.finished[uid].caches, f"extract of {uid}")
+        keep = [i for i in range(len(self.active)) if i != row]
+        for c in self.caches:
+            c.filter(mx.array(keep, dtype=mx.int32))
+        self.active = [self.active[i] for i in keep]
+        self.observer.settled(self._uids(self.active), self.caches, f"filter {keep}")
+        return self.finished[uid]
+
+    def decode_alone(self, uid: str, steps: int):
+        """Decode finished request ``uid`` ``steps`` more tokens alone on its extracted caches,
+        as a server does that reuses a prefix cache."""
+        finished = self.finished[uid]
+        r = finished.request
+        for _ in range(steps):
+            layout = ForwardLayout(f"{uid} alone", (uid,), (range(1),))
+            logits = self._forward(mx.array([[r.tokens[-1]]]), finished.caches, layout)
+            r.record(logits[0, -1])
+        self.observer.extracted(uid, finished.caches, "decoding alone after extract")
 
     def run_until_idle(self, max_forwards: int = 10_000):
         """Decode until every active request has finished."""
