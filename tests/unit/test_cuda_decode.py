@@ -144,6 +144,20 @@ def _step():
     return queries, keys, values, kc, vc
 
 
+def _cache_decode_step():
+    """A two-row cache (row 0 left-padded by 2) at a decode step, as a model takes it:
+    the mask made before the step's write. Returns (cache, queries, keys, values, mask)."""
+    cache = BatchTurboQuantKVCache([2, 0], bits=4)
+    rng = np.random.default_rng(2)
+    k = mx.array(rng.standard_normal((2, 2, 5, 64)).astype(np.float16))
+    cache.update_and_fetch(k, k)
+    mask = cache.make_mask(1)
+    step = mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float16))
+    ks, vs = cache.update_and_fetch(step, step)
+    q = mx.array(rng.standard_normal((2, 4, 1, 64)).astype(np.float16))
+    return cache, q, ks, vs, mask
+
+
 @pytest.mark.skipif(ON_CUDA, reason="checks the kernel is unreachable off CUDA")
 def test_off_cuda_the_kernel_is_never_reached(monkeypatch):
     monkeypatch.setattr(_cuda_decode, "_fused", lambda *a: pytest.fail("kernel reached"))
@@ -187,14 +201,7 @@ def test_a_cache_decode_step_reaches_the_kernel_with_its_rows_where_available(mo
 
     monkeypatch.setattr(_cuda_decode, "_fused", record)
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")
-    cache = BatchTurboQuantKVCache([2, 0], bits=4)
-    rng = np.random.default_rng(2)
-    k = mx.array(rng.standard_normal((2, 2, 5, 64)).astype(np.float16))
-    cache.update_and_fetch(k, k)
-    mask = cache.make_mask(1)
-    step = mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float16))
-    ks, vs = cache.update_and_fetch(step, step)
-    q = mx.array(rng.standard_normal((2, 4, 1, 64)).astype(np.float16))
+    cache, q, ks, vs, mask = _cache_decode_step()
     cache.decode_attention(q, ks, vs, scale=0.125, mask=mask)
     assert len(calls) == 1 and isinstance(calls[0], CausalRows)
     assert calls[0].starts.tolist() == [2, 0] and calls[0].offset == 5
@@ -208,14 +215,7 @@ def test_by_default_a_decode_step_does_not_take_the_kernel_even_on_cuda(monkeypa
     monkeypatch.setattr(_cuda_decode, "available", lambda: True)
     monkeypatch.setattr(_cuda_decode, "_fused", lambda *a: pytest.fail("kernel reached"))
     monkeypatch.delenv("TQBATCH_DECODE_KERNEL", raising=False)
-    cache = BatchTurboQuantKVCache([2, 0], bits=4)
-    rng = np.random.default_rng(2)
-    k = mx.array(rng.standard_normal((2, 2, 5, 64)).astype(np.float16))
-    cache.update_and_fetch(k, k)
-    mask = cache.make_mask(1)
-    step = mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float16))
-    ks, vs = cache.update_and_fetch(step, step)
-    q = mx.array(rng.standard_normal((2, 4, 1, 64)).astype(np.float16))
+    cache, q, ks, vs, mask = _cache_decode_step()
     mx.eval(cache.decode_attention(q, ks, vs, scale=0.125, mask=mask))
 
 
