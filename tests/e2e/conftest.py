@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from tqbatch.testing.impl import load_impl
@@ -13,6 +16,25 @@ SPEC = ModelSpec()  # 4 layers, hidden 256, 4 query / 2 KV heads, head_dim 64
 SMALL_SPEC = ModelSpec(seed=2, num_layers=3)
 BITS = 4.0
 SEED = 0
+
+MATRIX_DOC = Path(__file__).resolve().parents[2] / "docs" / "model-families.md"
+
+
+def doc_matrix(marker: str) -> dict[tuple[str, str], dict[str, str]]:
+    """docs/model-families.md's table between ``<!-- MARKER:start/end -->``:
+    (family, scenario) -> {column: status word}."""
+    text = MATRIX_DOC.read_text()
+    block = text[text.index(f"<!-- {marker}:start -->") : text.index(f"<!-- {marker}:end -->")]
+    lines = [line for line in block.splitlines() if line.startswith("|")]
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    table = {}
+    for line in lines[2:]:
+        values = [v.strip() for v in line.strip("|").split("|")]
+        table[values[0], values[1]] = {
+            column: re.match(r"PASS|FAIL|ERROR|N/A", value).group(0)
+            for column, value in zip(header[2:], values[2:])
+        }
+    return table
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ the matrix's own server and through mlx-lm's ``BatchGenerator``.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from mlx_lm.models import cache as lm_cache
@@ -21,25 +20,9 @@ from tqbatch.testing.mutants import MUTANTS
 from tqbatch.workbench import lm_families, model_matrix, vlm_families
 from tqbatch.workbench.model_matrix import BASELINE
 
-MATRIX_DOC = Path(__file__).resolve().parents[2] / "docs" / "model-families.md"
+from .conftest import doc_matrix
+
 CELLS = [(f, s) for f in lm_families.FAMILIES for s in model_matrix.LM_SCENARIOS]
-
-
-def _doc_matrix() -> dict[tuple[str, str], dict[str, str]]:
-    """The docs' mlx-lm matrix: (family, scenario) -> {column: status word}."""
-    text = MATRIX_DOC.read_text()
-    start, end = "<!-- models-mlx-lm:start -->", "<!-- models-mlx-lm:end -->"
-    block = text[text.index(start) : text.index(end)]
-    lines = [line for line in block.splitlines() if line.startswith("|")]
-    header = [h.strip() for h in lines[0].strip("|").split("|")]
-    table = {}
-    for line in lines[2:]:
-        values = [v.strip() for v in line.strip("|").split("|")]
-        table[values[0], values[1]] = {
-            column: re.match(r"PASS|FAIL|ERROR|N/A", value).group(0)
-            for column, value in zip(header[2:], values[2:])
-        }
-    return table
 
 
 @pytest.mark.parametrize(("family", "scenario"), CELLS, ids=[f"{f}-{s}" for f, s in CELLS])
@@ -49,13 +32,13 @@ def test_mlx_lm_cell_passes_where_batchkvcache_passes(family, scenario):
     if baseline.status == "PASS":
         assert cell.status == "PASS", cell.short()
     assert cell.status == baseline.status, (cell.short(), baseline.short())
-    doc = _doc_matrix()[family, scenario]
+    doc = doc_matrix("models-mlx-lm")[family, scenario]
     assert (doc["tqbatch"], doc[BASELINE]) == (cell.status, baseline.status)
     assert not tq_mlx_lm.is_enabled()  # the cell's route is undone
 
 
 def test_doc_matrix_covers_every_mlx_lm_cell():
-    assert sorted(_doc_matrix()) == sorted(CELLS)
+    assert sorted(doc_matrix("models-mlx-lm")) == sorted(CELLS)
 
 
 # ------------------------------------------------------------ the check can fail

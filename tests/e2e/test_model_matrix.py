@@ -9,7 +9,6 @@ docs/model-families.md must also say what the run finds, for both columns.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -19,24 +18,9 @@ from tqbatch.testing.reference import TurboReferences
 from tqbatch.workbench import model_matrix, vlm_families
 from tqbatch.workbench.model_matrix import BASELINE
 
-MATRIX_DOC = Path(__file__).resolve().parents[2] / "docs" / "model-families.md"
+from .conftest import doc_matrix
+
 CELLS = [(f, s) for f in vlm_families.FAMILIES for s in model_matrix.SCENARIOS]
-
-
-def _readme_matrix() -> dict[tuple[str, str], dict[str, str]]:
-    """docs/model-families.md's matrix: (family, scenario) -> {column: status word}."""
-    text = MATRIX_DOC.read_text()
-    block = text[text.index("<!-- models:start -->") : text.index("<!-- models:end -->")]
-    lines = [line for line in block.splitlines() if line.startswith("|")]
-    header = [h.strip() for h in lines[0].strip("|").split("|")]
-    table = {}
-    for line in lines[2:]:
-        values = [v.strip() for v in line.strip("|").split("|")]
-        table[values[0], values[1]] = {
-            column: re.match(r"PASS|FAIL|ERROR|N/A", value).group(0)
-            for column, value in zip(header[2:], values[2:])
-        }
-    return table
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +37,13 @@ def test_cell_passes_where_batchkvcache_passes(family, scenario, target):
     if baseline.status == "PASS":
         assert cell.status == "PASS", cell.short()
     if target.name == "tqbatch":
-        readme = _readme_matrix()[family, scenario]
+        readme = doc_matrix("models")[family, scenario]
         assert readme["tqbatch"] == cell.status, (readme, cell.short())
         assert readme[BASELINE] == baseline.status, (readme, baseline.short())
 
 
 def test_readme_matrix_covers_every_cell():
-    assert sorted(_readme_matrix()) == sorted(CELLS)
+    assert sorted(doc_matrix("models")) == sorted(CELLS)
 
 
 # ------------------------------------------------------------ the matrix can fail
@@ -114,7 +98,7 @@ def test_matrix_admits_a_cache_that_rounds_otherwise(monkeypatch):
     a code or norm (a few cells in: one coordinate in thousands moves), and
     that cell failed before the oracle admitted rounding choices."""
     target = model_matrix.Target("RoundsOtherwise", RoundsOtherwise)
-    passing = [cell for cell in CELLS if _readme_matrix()[cell]["tqbatch"] == "PASS"]
+    passing = [cell for cell in CELLS if doc_matrix("models")[cell]["tqbatch"] == "PASS"]
     for family, scenario in passing:
         cell = model_matrix.run_cell(family, scenario, target)
         assert cell.status == "PASS", (family, scenario, cell.short())
