@@ -18,10 +18,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import base as lm_base
-from mlx_lm.models import gemma3_text, gpt_oss, lfm2, llama, qwen3, qwen3_moe
+
+# Imported here, before any route is enabled: the enable/disable test needs
+# modules that bound mlx-lm's function before enable() (lm_families imports
+# the rest lazily, by name).
+from mlx_lm.models import gemma3_text, gpt_oss, lfm2, llama, qwen3, qwen3_moe  # noqa: F401
 from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,
@@ -36,6 +39,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 
 import tqbatch.mlx_lm as tq_mlx_lm
 from tqbatch import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
+from tqbatch.workbench import lm_families
 from tqbatch.workbench.e2e import LOGITS_ATOL
 
 BITS, SEED = 4.0, 0
@@ -52,83 +56,25 @@ tf32 = pytest.mark.float32_only(
     reason="logprobs vs alone at 1e-4 need float32 matmuls (as test_batch_generator.py)",
 )
 
-_COMMON = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=256,
-    rms_norm_eps=1e-6,
+# The matrix's mlx-lm families (tqbatch.workbench.lm_families), plus lfm2: a
+# convolution layer whose ArraysCache the factory must leave alone.
+LFM2 = dict(  # layer 0 a short convolution (ArraysCache), layer 1 attention
+    num_attention_heads=2,  # no head_dim field: hidden / heads = 32
+    num_key_value_heads=1,
+    head_dim=None,
+    rms_norm_eps=None,
+    norm_eps=1e-6,
+    max_position_embeddings=512,
+    conv_bias=False,
+    conv_L_cache=3,
+    block_dim=64,
+    block_multiple_of=32,
+    block_ffn_dim_multiplier=1.0,
+    block_auto_adjust_ff_dim=False,
+    intermediate_size=128,
+    layer_types=["conv", "full_attention"],
 )
-_SLIDING_WINDOW = 4  # shorter than the prompts, so the rotating layers' window bites
-# family -> (module, ModelArgs fields beyond _COMMON); None drops a _COMMON field
-# the family's ModelArgs does not have.
-CONFIGS = {
-    "llama": (llama, dict(intermediate_size=128, tie_word_embeddings=False)),
-    "qwen3": (
-        qwen3,
-        dict(
-            intermediate_size=128,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-            rope_theta=10000.0,
-        ),
-    ),
-    "gemma3_text": (  # layer 0 sliding (RotatingKVCache), layer 1 global (KVCache)
-        gemma3_text,
-        dict(
-            intermediate_size=128,
-            query_pre_attn_scalar=32,
-            sliding_window=_SLIDING_WINDOW,
-            sliding_window_pattern=2,
-        ),
-    ),
-    "gpt_oss": (  # attention sinks, sliding and full layers, mixture of experts
-        gpt_oss,
-        dict(
-            intermediate_size=64,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=_SLIDING_WINDOW,
-            layer_types=["sliding_attention", "full_attention"],
-        ),
-    ),
-    "qwen3_moe": (
-        qwen3_moe,
-        dict(
-            intermediate_size=128,
-            num_experts=4,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            moe_intermediate_size=64,
-            rope_theta=10000.0,
-            tie_word_embeddings=False,
-            max_position_embeddings=512,
-            norm_topk_prob=True,
-        ),
-    ),
-    "lfm2": (  # layer 0 a short convolution (ArraysCache), layer 1 attention
-        lfm2,
-        dict(
-            num_attention_heads=2,  # no head_dim field: hidden / heads = 32
-            num_key_value_heads=1,
-            head_dim=None,
-            rms_norm_eps=None,
-            norm_eps=1e-6,
-            max_position_embeddings=512,
-            conv_bias=False,
-            conv_L_cache=3,
-            block_dim=64,
-            block_multiple_of=32,
-            block_ffn_dim_multiplier=1.0,
-            block_auto_adjust_ff_dim=False,
-            intermediate_size=128,
-            layer_types=["conv", "full_attention"],
-        ),
-    ),
-}
+FAMILIES = ["llama", "qwen3", "gemma3_text", "gpt_oss", "qwen3_moe", "lfm2"]
 TQ = BatchableTurboQuantKVCache
 # The factory's per-layer caches: the model's own, its plain KVCaches made TurboQuant.
 LAYERS = {
@@ -142,29 +88,10 @@ MAX_TOKENS = [8, 6, 5]  # all three in one batch for a step or two
 
 
 def build(family: str, seed: int = 0) -> nn.Module:
-    """The family's mlx-lm model with seeded random float32 weights.
-
-    Weights normal(0, 1/fan_in), biases normal(0, 0.1), norms as made (as
-    ``tqbatch.workbench.e2e.build_model``): greedy output that does not
-    collapse onto one repeated token.
-    """
-    module, extra = CONFIGS[family]
-    params = {k: v for k, v in {**_COMMON, **extra}.items() if v is not None}
-    model = module.Model(module.ModelArgs(model_type=family, **params))
-    weights = []
-    for i, (name, param) in enumerate(sorted(tree_flatten(model.parameters()))):
-        key = mx.random.key(seed * 1_000_003 + i)
-        if "norm" in name:
-            weights.append((name, param))
-        elif "embed_tokens" in name:
-            weights.append((name, mx.random.normal(param.shape, key=key) * 64**-0.5))
-        elif name.endswith("bias") or param.ndim == 1:
-            weights.append((name, mx.random.normal(param.shape, key=key) * 0.1))
-        else:
-            weights.append((name, mx.random.normal(param.shape, key=key) * param.shape[-1] ** -0.5))
-    model.load_weights(weights)
-    mx.eval(model.parameters())
-    return model
+    """The family's tiny mlx-lm model with seeded random float32 weights (lm_families')."""
+    if family == "lfm2":
+        return lm_families.build_model("lfm2", LFM2, seed)
+    return lm_families.build(family, seed)
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +241,7 @@ def _drain(gen, late=None):
 
 
 @tf32
-@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_batch_generator_on_mlx_lm_models_equals_requests_alone(family, models, route, vlm_calls):
     model = models(family)
     layer_types = [type(c) for c in tq_mlx_lm.make_prompt_cache(model, bits=BITS, seed=SEED)]

@@ -39,6 +39,7 @@ __all__ = [
     "alone_caches",
     "batch_caches",
     "build",
+    "build_model",
     "is_lm",
     "quantized_layers",
 ]
@@ -154,8 +155,14 @@ def build(family: str, seed: int = 0) -> nn.Module:
     collapse onto one repeated token. ``family`` with or without ``PREFIX``.
     """
     name = family.removeprefix(PREFIX)
+    return build_model(name, CONFIGS[name], seed)
+
+
+def build_model(name: str, fields: dict, seed: int = 0) -> nn.Module:
+    """``build`` for any mlx-lm model module ``name``: the tiny shape these families
+    share, with ``fields`` (ModelArgs fields; None drops a shared one)."""
     module = importlib.import_module(f"mlx_lm.models.{name}")
-    params = {k: v for k, v in {**_COMMON, **CONFIGS[name]}.items() if v is not None}
+    params = {k: v for k, v in {**_COMMON, **fields}.items() if v is not None}
     model = module.Model(module.ModelArgs(model_type=name, **params))
     weights = []
     for i, (key_name, param) in enumerate(sorted(tree_flatten(model.parameters()))):
