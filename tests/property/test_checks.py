@@ -16,7 +16,7 @@ import tqbatch
 from tqbatch.testing.checks import CHECKS, CheckFailure, KnownFailure, failure
 from tqbatch.testing.doubles import PendingPaddingAsBatchKVCache
 from tqbatch.testing.mutants import CATCHES, FilterWithoutCompaction
-from tqbatch.testing.ops import World
+from tqbatch.testing.world import World
 
 Base = tqbatch.BatchTurboQuantKVCache
 PREFILL = [

@@ -18,7 +18,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 import tqbatch
 from tqbatch.testing.impl import ImplSpecError, capabilities, load_impl
 from tqbatch.testing.model import attention, causal_mask
-from tqbatch.testing.ops import World
+from tqbatch.testing.world import World
 
 
 @given(

@@ -19,9 +19,9 @@ from mlx_vlm.turboquant import _TurboQuantMSECodec, _unpack_lowbit
 import tqbatch
 from tqbatch.testing import reference as reference_module
 from tqbatch.testing.doubles import RoundsFarOtherwise, RoundsOtherwise
-from tqbatch.testing.ops import World
 from tqbatch.testing.rounding import AdmissibleCodes, rotation_error
 from tqbatch.testing.tolerances import content_tolerance
+from tqbatch.testing.world import World
 
 # Powers of two use the Hadamard rotation, the others a dense one.
 CODECS = [(64, 4), (80, 2), (128, 8), (96, 3), (32, 1)]

@@ -13,7 +13,7 @@ from hypothesis.internal.conjecture import engine
 
 from tqbatch.testing.campaign import run_campaign
 from tqbatch.testing.mutants import MUTANTS
-from tqbatch.testing.ops import World
+from tqbatch.testing.world import World
 
 # Found within a few examples; its shrink is one of the catalogue's longest.
 MUTANT = MUTANTS["FilterKeepsOneDeadColumn"]

@@ -22,8 +22,8 @@ from tqbatch.testing.mutants import (
     FilterWithoutCompaction,
     RoundtripAliasesDonor,
 )
-from tqbatch.testing.ops import World
 from tqbatch.testing.scenario import replay, write_failure
+from tqbatch.testing.world import World
 
 
 class FilterAndExtractBugs(FilterWithoutCompaction, ExtractDropsLastToken):

@@ -15,7 +15,7 @@ import re
 import pytest
 from mlx_vlm.turboquant import BatchTurboQuantKVCache as Upstream
 
-from tqbatch.testing.ops import World
+from tqbatch.testing.world import World
 
 pytestmark = pytest.mark.upstream
 

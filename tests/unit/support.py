@@ -39,9 +39,9 @@ from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import BatchTurboQuantKVCache
+from tqbatch.testing.generation import POISON
 from tqbatch.testing.impl import load_impl
 from tqbatch.testing.model import causal_mask
-from tqbatch.testing.ops import POISON
 from tqbatch.testing.tolerances import attention_tolerance, content_tolerance
 
 # The class under test: tqbatch's own unless $TQBATCH_IMPL / --impl names

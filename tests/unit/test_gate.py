@@ -38,8 +38,8 @@ from tqbatch.testing.impl import (
     unsupported_configurations,
 )
 from tqbatch.testing.known_failures import KnownFailures
-from tqbatch.testing.ops import UnsupportedOp, World
 from tqbatch.testing.scenario import Scenario, replay
+from tqbatch.testing.world import UnsupportedOp, World
 
 MUTANT = "tqbatch.testing.mutants:SizeAsArray"
 TWO_DEFECTS = "gate_targets:SizeAsArrayWithIdx"

@@ -225,7 +225,7 @@ def run(args) -> int:
         for line in verdict.report_lines(args.strict_known_failures):
             console.print(escape(line.strip()))
     elif result.failure:
-        from tqbatch.testing.ops import format_ops
+        from tqbatch.testing.world import format_ops
 
         console.print(f"[red]FAILED[/red]: {escape(result.failure['message'])}")
         console.print("shrunk op sequence:\n" + format_ops(result.failure["ops"]))

@@ -32,8 +32,8 @@ def test_bad_input(case, tqbatch_harness, request):
     """Bad input ``case`` is rejected with its documented error and changes nothing."""
     from tqbatch.testing.checks import CheckFailure, KnownFailure
     from tqbatch.testing.impl import capabilities
-    from tqbatch.testing.ops import World
     from tqbatch.testing.strategies import bad_input_cases, expect_error_op
+    from tqbatch.testing.world import World
 
     state = tqbatch_harness
     listed = state.listed

@@ -51,30 +51,25 @@ import json
 from dataclasses import dataclass
 
 __all__ = [
-    "CHECKS",
+    "CHECKS",  # noqa: F822 (module __getattr__)
     "CONTRACT",
     "HARNESS",
     "POLICY",
-    "POLICY_CASES",
+    "POLICY_CASES",  # noqa: F822 (module __getattr__)
     "Check",
     "CheckFailure",
     "KnownFailure",
     "failure",
     "identity",
+    "register",
 ]
 
 CONTRACT, POLICY, HARNESS = "contract", "policy", "harness"
 
-# Bad-input cases (tqbatch.testing.strategies.BAD_INPUT_ERRORS) a cache could
-# define a meaning for (an empty batch; a row forked into two): rejecting them
-# is tqbatch's policy (check ``rejects_by_policy``), not the contract. Every
-# other case has no sound meaning (check ``rejects``).
-POLICY_CASES = frozenset({"filter-empty", "filter-repeated"})
-
 
 @dataclass(frozen=True)
 class Check:
-    """One check of ``tqbatch.testing.ops.World``."""
+    """One check of the harness: its name, level, whether a failure diverges the target."""
 
     name: str
     level: str
@@ -83,7 +78,10 @@ class Check:
     per_op: bool = True
 
 
-CHECKS: dict[str, Check] = {
+# The checks every op is held to (after every op: ``tqbatch.testing.invariants``)
+# and the executor's own; each op module declares the checks only it reports
+# (``Op.checks``), registered when ``tqbatch.testing.ops`` is imported.
+_CHECKS: dict[str, Check] = {
     c.name: c
     for c in (
         Check("raises", CONTRACT, True, "a legal op completes without raising"),
@@ -112,39 +110,35 @@ CHECKS: dict[str, Check] = {
             "dequantize() returns 4-D float (keys, values), one row per batch row",
         ),
         Check("content", CONTRACT, True, "each row's K/V equal its per-request reference"),
-        Check("extract_length", CONTRACT, False, "extract(i) holds the request's token count"),
-        Check("extract_content", CONTRACT, False, "extract(i) holds the request's K/V"),
-        Check("trim_count", CONTRACT, False, "trim(n) returns the number of tokens trimmed"),
-        Check(
-            "attention",
-            CONTRACT,
-            False,
-            "attention equals exact attention over the per-request TurboQuant reference",
-        ),
-        Check("unchanged", CONTRACT, True, "a rejected op leaves the cache exactly as it was"),
-        Check("rejects", CONTRACT, True, "bad input that has no sound meaning is rejected"),
-        Check(
-            "rejects_by_policy",
-            POLICY,
-            True,
-            "bad input a cache could define a meaning for (tqbatch rejects it) is rejected",
-        ),
-        Check("error_type", POLICY, False, "bad input is rejected with the documented type"),
-        Check(
-            "extract_pending",
-            POLICY,
-            False,
-            "extract(i) leaves out right padding still pending (BatchKVCache's returns it)",
-        ),
-        Check(
-            "roundtrip_pending",
-            POLICY,
-            False,
-            "a state round trip keeps right padding still pending (BatchKVCache's drops it)",
-        ),
         Check("harness", HARNESS, True, "the numpy model and BatchKVCache agree"),
     )
 }
+
+
+def register(checks) -> None:
+    """Add an op module's own checks to the catalogue (names are unique across ops)."""
+    for check in checks:
+        if _CHECKS.get(check.name, check) != check:
+            raise ValueError(f"check {check.name!r} is declared twice")
+        _CHECKS[check.name] = check
+
+
+def _catalogue() -> dict[str, Check]:
+    import tqbatch.testing.ops  # noqa: F401  (registers every op's checks)
+
+    return _CHECKS
+
+
+def __getattr__(name: str):
+    # ``CHECKS`` and ``POLICY_CASES`` span every op module: complete only once
+    # the ops are imported, which importing them from here does.
+    if name == "CHECKS":
+        return _catalogue()
+    if name == "POLICY_CASES":
+        from tqbatch.testing.ops import policy_cases
+
+        return policy_cases()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def identity(check: str, where: str | None) -> str:
@@ -215,6 +209,6 @@ def where_of(op: dict | None) -> str:
 
 def failure(check: str, op: dict | None, what: str) -> CheckFailure:
     """The ``CheckFailure`` of ``check`` after ``op``, with the usual message."""
-    spec = CHECKS[check]
+    spec = _catalogue()[check]
     cls = _class_for(spec, where_of(op) if spec.per_op else None)
     return cls(f"[{spec.name}] after {json.dumps(op) if op else 'start'}: {what}", what)

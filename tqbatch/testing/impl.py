@@ -23,7 +23,6 @@ __all__ = [
     "CONFIGURATIONS",
     "DEFAULT_IMPL",
     "ENV_VAR",
-    "OPS_BY_CAPABILITY",
     "ImplSpecError",
     "capabilities",
     "impl_spec",
@@ -114,20 +113,6 @@ def _has_settable_property(cls: type, name: str) -> bool:
     return isinstance(prop, property) and prop.fset is not None
 
 
-# Capability -> ops of the vocabulary that need it. An op runs only when all
-# the capabilities it needs are present.
-OPS_BY_CAPABILITY = {
-    "merge": ("merge",),
-    "prepare": ("prepare",),
-    "finalize": ("finalize",),
-    "filter": ("filter",),
-    "extend": ("extend",),
-    "extract": ("extract",),
-    "trim": ("trim",),
-    "roundtrip": ("roundtrip",),
-    "dequantize": (),  # needed by checks, not by an op
-}
-
 # Capability -> the configuration it lets the harness draw, as reports name it.
 # Optional constructor parameters: a cache without them is reported as unable
 # to take those configurations, never as defective, and none is drawn for it.
@@ -156,7 +141,8 @@ def _constructor_takes(cls: type) -> dict[str, bool]:
 
 
 def capabilities(cls: type) -> dict[str, bool]:
-    """Which optional operations ``cls`` offers, by name (see ``OPS_BY_CAPABILITY``), and
+    """Which optional operations ``cls`` offers, by name (an op declares the ones it
+    needs: ``tqbatch.testing.ops``), and
     which configurations its constructor takes (see ``CONFIGURATIONS``).
 
     Found by inspection of the class (methods, classmethods, property setters,

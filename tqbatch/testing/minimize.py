@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tqbatch.testing.checks import CheckFailure, KnownFailure
-from tqbatch.testing.ops import UnsupportedOp, World
+from tqbatch.testing.world import UnsupportedOp, World
 
 __all__ = ["failure_of", "minimize"]
 

@@ -1,9 +1,10 @@
 """What a replay records about each step: the target's state, and what the op yielded.
 
-``World.step`` (``tqbatch.testing.ops``) produces one observation per op
-with these functions; ``tqbatch.testing.scenario`` only compares it with a
-recording. Packed states are kept as raw bytes (their dtype untouched),
-masks as booleans, outputs as float32 with NaN where unspecified.
+``World.step`` (``tqbatch.testing.world``) produces one observation per op:
+``of_target`` after every op, and the op module's ``Op.observe`` for what the
+op yielded; ``tqbatch.testing.scenario`` only compares it with a recording.
+Packed states are kept as raw bytes (their dtype untouched), masks as
+booleans, outputs as float32 with NaN where unspecified.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from tqbatch.testing.reference import to_numpy
 
-__all__ = ["MASK_FORMS", "ObservationError", "of_op", "of_target"]
+__all__ = ["MASK_FORMS", "ObservationError", "of_target", "packed_leaves"]
 
 # make_mask forms recorded after every op: (N, window_size).
 MASK_FORMS = ((1, None), (3, None), (3, 2))
@@ -27,7 +28,7 @@ def _unwrap(state):
     return getattr(state, "_state", state)
 
 
-def _packed_leaves(state, prefix: str) -> dict[str, np.ndarray]:
+def packed_leaves(state, prefix: str) -> dict[str, np.ndarray]:
     """Leaves of a packed state as raw numpy arrays (no dtype conversion: bytes matter)."""
     state = _unwrap(state)
     if state is None:
@@ -44,7 +45,7 @@ def _packed_leaves(state, prefix: str) -> dict[str, np.ndarray]:
             mx.eval(leaf)
             out[f"{prefix}.{name}"] = np.array(leaf, copy=True)
         elif hasattr(leaf, "_fields") or isinstance(leaf, (list, tuple)):
-            out.update(_packed_leaves(leaf, f"{prefix}.{name}"))
+            out.update(packed_leaves(leaf, f"{prefix}.{name}"))
     return out
 
 
@@ -70,34 +71,6 @@ def of_target(target) -> dict[str, np.ndarray]:
         out[f"mask.n{n}.w{window or 0}"] = mask.astype(bool)
     state = target.state
     if state is not None and len(state) >= 2:
-        out.update(_packed_leaves(state[0], "state.keys"))
-        out.update(_packed_leaves(state[1], "state.values"))
+        out.update(packed_leaves(state[0], "state.keys"))
+        out.update(packed_leaves(state[1], "state.values"))
     return out
-
-
-def of_op(target, op: dict, padded_queries, result) -> dict[str, np.ndarray]:
-    """What an op itself yields: attention outputs, extracted rows, trim counts.
-
-    ``padded_queries``: for an attend op, the (B, N) padding slots of its
-    queries (taken before the op), whose outputs are unspecified.
-    """
-    kind = op["op"]
-    if kind == "attend":
-        out = np.array(result["attention"], dtype=np.float32)
-        # Outputs of padding queries are unspecified: NaN marks them unrecorded.
-        out = np.where(padded_queries[:, None, :, None], np.float32(np.nan), out)
-        return {"attention": out}
-    if kind == "extract":
-        index = int(op["index"])
-        single = target.extract(index)  # extract leaves the target unchanged
-        obs = {"extract.length": np.array([result["length"]], dtype=np.int64)}
-        if result["length"]:
-            obs["extract.keys"] = np.array(result["keys"], dtype=np.float32)
-            obs["extract.values"] = np.array(result["values"], dtype=np.float32)
-            state = single.state
-            obs.update(_packed_leaves(state[0], "extract_state.keys"))
-            obs.update(_packed_leaves(state[1], "extract_state.values"))
-        return obs
-    if kind == "trim":
-        return {"trimmed": np.array([int(result)], dtype=np.int64)}
-    return {}

@@ -41,7 +41,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 from tqbatch.testing.rounding import AdmissibleCodes
 from tqbatch.testing.tolerances import content_tolerance, excess_ratios
 
-__all__ = ["DenseOracle", "TurboReferences", "to_numpy"]
+__all__ = ["DenseOracle", "TurboReferences", "as_ints", "to_numpy"]
 
 
 def to_numpy(x) -> np.ndarray:
@@ -52,6 +52,14 @@ def to_numpy(x) -> np.ndarray:
     if x.dtype in (mx.float16, mx.bfloat16):
         x = x.astype(mx.float32)
     return np.array(x)
+
+
+def as_ints(x) -> list[int]:
+    """A flat list of Python ints from an MLX array, numpy array, list or scalar."""
+    if isinstance(x, mx.array):
+        mx.eval(x)
+        x = np.array(x)
+    return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
 
 
 class DenseOracle:

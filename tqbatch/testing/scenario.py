@@ -15,7 +15,7 @@ A scenario is two files side by side (format documented in tests/golden/README.m
   padding, written end, masks, the raw packed bytes of ``state``, attention
   outputs, extracted rows (packed bytes and dequantized).
 
-``replay`` runs the ops through :class:`tqbatch.testing.ops.World` (the
+``replay`` runs the ops through :class:`tqbatch.testing.world.World` (the
 live oracles: the numpy model, mlx-lm's ``BatchKVCache`` and per-request
 ``TurboQuantKVCache`` references, checked after every op) and compares every
 observation with the recording. Recording happens only through ``record``
@@ -45,7 +45,9 @@ from tqbatch.testing.backend import matmul_precision
 from tqbatch.testing.checks import KnownFailure
 from tqbatch.testing.impl import impl_spec, load_impl
 from tqbatch.testing.observation import ObservationError
-from tqbatch.testing.ops import World, format_ops
+from tqbatch.testing.ops import OPS, recorded_quantity
+from tqbatch.testing.tolerances import EXACT, PACKED_CROSS_PLATFORM
+from tqbatch.testing.world import World, format_ops
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -74,12 +76,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 _CONFIG_KEYS = set(DEFAULT_CONFIG) | {"key_bits", "value_bits"}
 
-_CROSS_PLATFORM_NOTE = (
-    "Not measured (no Metal machine here): Metal's fused quantize kernel and GPU matmuls "
-    "round differently from the CPU, so a coordinate within float32 rounding of a codebook "
-    "boundary can land in the neighbouring bucket."
-)
-
 
 def default_tolerances() -> dict[str, dict]:
     """The tolerance table written into new scenarios, one entry per recorded quantity.
@@ -94,70 +90,29 @@ def default_tolerances() -> dict[str, dict]:
     live oracles check it against bounds derived for that precision
     (``tqbatch.testing.tolerances``), where a fixed atol cannot be both tight at
     float32 and true at TF32 (attention moved by 4e-2 on an H200 at TF32).
+
+    The quantities recorded after every op are here; what an op yields (attention
+    outputs, extracted rows, trim counts) is declared with the op (``Op.recorded``).
     """
-    exact = {"atol": 0, "rtol": 0, "max_mismatch_fraction": 0}
-    packed_cross = {
-        "atol": 0,
-        "rtol": 0.001,
-        "max_mismatch_fraction": 0.02,
-        "reason": _CROSS_PLATFORM_NOTE + " Float16 norms may differ in their last bit "
-        "(rtol 1e-3 ~ one float16 ulp); up to 2% of packed words may hold a flipped "
-        "bucket. A geometry bug moves whole tokens: ~100% of a row's words.",
-    }
-    return {
-        "offset": {**exact, "reason": "integers: per-row lengths are exact"},
-        "left_padding": {**exact, "reason": "integers: per-row dead slots are exact"},
-        "size": {**exact, "reason": "integer: the written end is exact"},
-        "mask": {**exact, "reason": "booleans, a pure function of the geometry"},
-        "has_idx": {**exact, "reason": "boolean: the attribute exists or not"},
-        "trimmed": {**exact, "reason": "integer returned by trim()"},
-        "extract_length": {**exact, "reason": "integer: tokens of the extracted request"},
+    table = {
+        "offset": {**EXACT, "reason": "integers: per-row lengths are exact"},
+        "left_padding": {**EXACT, "reason": "integers: per-row dead slots are exact"},
+        "size": {**EXACT, "reason": "integer: the written end is exact"},
+        "mask": {**EXACT, "reason": "booleans, a pure function of the geometry"},
+        "has_idx": {**EXACT, "reason": "boolean: the attribute exists or not"},
         "state": {
-            **exact,
+            **EXACT,
             "reason": "TurboQuant codecs are fixed by (head_dim, bits, seed) and quantize "
             "token by token, and reshaping moves packed bits without re-quantizing: the "
             "written slots of every row are bit-identical on the recording platform "
             "(padding slots are not compared: their content is unspecified).",
-            "cross_platform": packed_cross,
-        },
-        "extract_state": {
-            **exact,
-            "reason": "extract() copies packed bits: bit-identical to the batch row.",
-            "cross_platform": packed_cross,
-        },
-        "extract_dequantized": {
-            "atol": 1e-6,
-            "rtol": 0,
-            "max_mismatch_fraction": 0,
-            "reason": "same packed bits through the same codec: only float32 rounding of the "
-            "dequantize (measured 0.0 across processes on CPU); a flipped bucket or a "
-            "wrong token moves a coordinate by > 1e-2.",
-            "cross_platform": {
-                "atol": 1e-5,
-                "rtol": 0,
-                "max_mismatch_fraction": 0.02,
-                "reason": _CROSS_PLATFORM_NOTE + " 2% of coordinates may move by a bucket; "
-                "the rest by float32 rounding of a different rotation kernel.",
-            },
-        },
-        "attention": {
-            "atol": 1e-5,
-            "rtol": 0,
-            "max_mismatch_fraction": 0,
-            "reason": "same packed bits and mask through mlx-vlm's scaled_dot_product_attention; "
-            "an implementation may hand it a differently sized (masked) state, which reorders "
-            "float32 sums (~1e-6). A wrong or missing token moves outputs by > 1e-2. Only "
-            "queries at non-padding positions are compared.",
-            "cross_platform": {
-                "atol": 1e-3,
-                "rtol": 0,
-                "max_mismatch_fraction": 0,
-                "reason": _CROSS_PLATFORM_NOTE + " A flipped bucket moves one key or value "
-                "coordinate; averaged by softmax over the row it shifts outputs by well under "
-                "1e-3, while a poisoned (16x) or missing token moves them by > 1e-2.",
-            },
+            "cross_platform": PACKED_CROSS_PLATFORM,
         },
     }
+    for op in OPS.values():
+        for recorded in op.recorded:
+            table[recorded.quantity] = recorded.tolerance
+    return table
 
 
 class ScenarioError(ValueError):
@@ -364,15 +319,6 @@ def _versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[dist] = "not installed"
     return out
-
-
-def _quantity(key: str) -> str:
-    """The tolerance entry that governs a recorded key."""
-    if key == "extract.length":
-        return "extract_length"
-    if key.startswith("extract."):
-        return "extract_dequantized"
-    return key.split(".", 1)[0]
 
 
 # ---------------------------------------------------------------- comparing
@@ -599,12 +545,17 @@ def _compare_step(step, op, obs, scenario, recorded, result) -> bool:
         ok = False
     left_padding = recorded.get(prefix + "left_padding")
     for key in sorted(want_keys & set(obs)):
-        tol = _tolerance(scenario.tolerances, _quantity(key), result.cross_platform)
-        if result.other_precision and "cross_platform" in scenario.tolerances[_quantity(key)]:
+        tol = _tolerance(scenario.tolerances, recorded_quantity(key), result.cross_platform)
+        if (
+            result.other_precision
+            and "cross_platform" in scenario.tolerances[recorded_quantity(key)]
+        ):
             continue  # rounding-dependent at another precision: the oracles' (see above)
         problem = _compare(key, obs[key], recorded[prefix + key], tol, left_padding)
         if problem:
-            result.divergences.append(Divergence(step, op, _quantity(key), f"{key}: {problem}"))
+            result.divergences.append(
+                Divergence(step, op, recorded_quantity(key), f"{key}: {problem}")
+            )
             ok = False
     return ok
 

@@ -1,8 +1,9 @@
 """Hypothesis state machine driving any batch cache through the op vocabulary.
 
 Kept apart from the model and the checks (as zarr does in
-``zarr.testing.stateful``): rules only draw op dicts (``strategies``) and hand
-them to ``World.apply``; the invariant calls ``World.check``. Every op is
+``zarr.testing.stateful``): the rules are the op modules' (``Op.rules``,
+``tqbatch.testing.ops``), which only draw op dicts; the machine hands them to
+``World.apply``, and its invariant calls ``World.check``. Every op is
 ``note()``d as JSON, so a failing run prints a runnable op sequence, and the
 last failure is kept in ``BatchCacheMachine.last_failure`` for writing out as
 a golden scenario; ``failures`` keeps the last one of every check identity
@@ -44,7 +45,8 @@ from tqbatch.testing.impl import (
     load_impl,
     missing_capabilities,
 )
-from tqbatch.testing.ops import World
+from tqbatch.testing.ops import OPS, Rule
+from tqbatch.testing.world import World
 
 __all__ = [
     "BatchCacheMachine",
@@ -170,127 +172,6 @@ class BatchCacheMachine(RuleBasedStateMachine):
         )
         self._run(*data.draw(tqs.first_batch_ops(self.caps), label="first batch"))
 
-    # -------------------------------------------------------------- writes
-
-    @rule(data=st.data())
-    def decode(self, data):
-        """One token per row (T = 1), with attention."""
-        op = data.draw(tqs.attend_op(self.world.kv_heads, max_queries=1), label="decode")
-        self._run(op)
-
-    @rule(data=st.data())
-    def append_block(self, data):
-        """A multi-token block: a plain update or a forward step with N > 1 queries."""
-        if data.draw(st.booleans(), label="with attention"):
-            op = data.draw(tqs.attend_op(self.world.kv_heads), label="block")
-        else:
-            # Now and then a long prompt: buffers grow in 256-slot steps, and
-            # bugs of the physical end show only past the first step.
-            long = data.draw(st.integers(0, 39), label="long") == 27
-            op = {
-                "op": "update",
-                "tokens": data.draw(
-                    st.integers(200, 300) if long else st.integers(2, 4), label="tokens"
-                ),
-                "kv_seed": data.draw(tqs.seeds, label="kv_seed"),
-            }
-        self._run(op)
-
-    @precondition(lambda self: self._has("prepare") and self._has("finalize"))
-    @rule(data=st.data())
-    def right_padded_append(self, data):
-        """prepare(right_padding) + block + finalize on the current batch."""
-        ops = data.draw(tqs.right_padded_prefill_ops(rows=self.model.batch_size), label="ops")
-        B = self.model.batch_size
-        # Between the prefill and finalize, while right padding is pending: a
-        # request finishes, one is read out, the cache is saved and restored,
-        # or another batch joins. (A trim there is not a state servers make.)
-        between = ["none", "filter", "extract", "roundtrip", "extend"]
-        what = data.draw(st.sampled_from(between), label="while pending")
-        if what == "filter" and self._has("filter") and B > 1:
-            keep = data.draw(tqs.filter_indices(self.model.left_padding), label="keep")
-            ops.insert(-1, {"op": "filter", "indices": keep})
-        elif what == "extract" and self._has("extract"):
-            index = data.draw(st.integers(0, B - 1), label="index")
-            ops.insert(-1, {"op": "extract", "index": index})
-        elif what == "roundtrip" and self._has("roundtrip"):
-            ops.insert(-1, {"op": "roundtrip"})
-        elif what == "extend" and self._has("extend") and B < tqs.MAX_ROWS:
-            room = min(2, tqs.MAX_ROWS - B)
-            other = data.draw(tqs.other_batch_ops(self.caps, max_rows=room), label="other")
-            ops.insert(-1, {"op": "extend", "other": other})
-        self._run(*ops)
-
-    # -------------------------------------------------------------- reshaping
-
-    @precondition(lambda self: self._has("filter"))
-    @rule(data=st.data())
-    def filter(self, data):
-        keep = data.draw(tqs.filter_indices(self.model.left_padding), label="keep")
-        self._run({"op": "filter", "indices": keep})
-
-    @precondition(lambda self: self._has("extend") and self.model.batch_size < tqs.MAX_ROWS)
-    @rule(data=st.data())
-    def extend(self, data):
-        room = tqs.MAX_ROWS - self.model.batch_size
-        other = data.draw(tqs.other_batch_ops(self.caps, max_rows=min(2, room)), label="other")
-        op = {"op": "extend", "other": other}
-        if data.draw(st.integers(0, 3), label="full precision") == 0:
-            op["as_dense"] = True  # joiners handed over in mlx-lm's BatchKVCache
-        self._run(op)
-
-    @precondition(lambda self: self._has("extract"))
-    @rule(data=st.data())
-    def extract(self, data):
-        index = data.draw(st.integers(0, self.model.batch_size - 1), label="index")
-        self._run({"op": "extract", "index": index})
-
-    @precondition(lambda self: self._has("trim"))
-    @rule(data=st.data())
-    def speculative_rollback(self, data):
-        """Write a verify block, then trim part or all of it (at any B)."""
-        block = data.draw(st.integers(1, 4), label="block")
-        n = data.draw(st.integers(0, block), label="n")
-        self._run(
-            {"op": "update", "tokens": block, "kv_seed": data.draw(tqs.seeds, label="kv_seed")},
-            {"op": "trim", "n": n},
-        )
-
-    @precondition(lambda self: self._has("trim") and min(self.model.offsets) > 0)
-    @rule(data=st.data())
-    def trim(self, data):
-        n = data.draw(st.integers(0, min(self.model.offsets)), label="n")
-        self._run({"op": "trim", "n": n})
-
-    # Back-to-back round trips test nothing new and, taking no draws, would
-    # otherwise crowd out the rules that do.
-    @precondition(lambda self: self._has("roundtrip") and self._previous_op != "roundtrip")
-    @rule()
-    def roundtrip(self):
-        self._run({"op": "roundtrip"})
-
-    @precondition(lambda self: self._has("merge"))
-    @rule(data=st.data())
-    def restart_with_merge(self, data):
-        """A new batch from singles (the old one is finished)."""
-        self._run(data.draw(tqs.merge_op(rebatch=True), label="merge"))
-
-    # -------------------------------------------------------------- bad input
-
-    @rule(data=st.data())
-    def bad_input(self, data):
-        op = data.draw(
-            tqs.bad_input_op(
-                self.model.batch_size,
-                self.model.end,
-                self.caps,
-                self.world.seed,
-                avoid=type(self).avoid_cases,
-            ),
-            label="bad input",
-        )
-        self._run(op)
-
     # -------------------------------------------------------------- invariant
 
     @invariant()
@@ -309,6 +190,39 @@ class BatchCacheMachine(RuleBasedStateMachine):
         except BaseException as exc:
             self._record(exc)
             raise
+
+
+def _rule_method(declared: Rule):
+    """The machine's method for a declared rule: run the ops it draws."""
+    if declared.draws:
+
+        def method(self, data):
+            self._run(*declared.draw(self, data))
+
+        method = rule(data=st.data())(_named(method, declared))
+    else:
+
+        def method(self):
+            self._run(*declared.draw(self, None))
+
+        method = rule()(_named(method, declared))
+    if declared.precondition is not None:
+        method = precondition(declared.precondition)(method)
+    return method
+
+
+def _named(function, declared: Rule):
+    function.__name__ = function.__qualname__ = declared.name
+    function.__doc__ = declared.doc or None
+    return function
+
+
+# Every op module's rules (Hypothesis orders rules by name, not by this order).
+for _op in OPS.values():
+    for _declared in _op.rules:
+        if hasattr(BatchCacheMachine, _declared.name):
+            raise ValueError(f"rule {_declared.name!r} is declared twice")
+        setattr(BatchCacheMachine, _declared.name, _rule_method(_declared))
 
 
 def machine_for(

@@ -1,34 +1,39 @@
-"""Hypothesis strategies for op dicts of the vocabulary in docs/ops.md.
+"""Hypothesis strategies for op sequences of the vocabulary in docs/ops.md.
 
 Each strategy draws plain JSON-able dicts (or lists of them) sized for a
 2-core CPU: at most ``MAX_ROWS`` rows, short prompts, blocks of a few tokens.
 Strategies that depend on the current batch take its geometry as arguments;
-they never look at a cache.
+they never look at a cache. A strategy for one op lives in that op's module
+(``tqbatch.testing.ops``); here: the configurations, sequences of several
+ops (a batch's first ops, a prefill), and the bad-input catalogue, gathered
+from every op's ``bad_inputs``.
 """
 
 from __future__ import annotations
 
-from hypothesis import strategies as st
+import importlib
+from typing import NamedTuple
 
-from tqbatch.testing.checks import POLICY_CASES
+from hypothesis import strategies as st
 
 __all__ = [
     "MAX_ROWS",
     "MAX_PROMPT",
+    "BatchShape",
     "configs",
     "seeds",
-    "merge_op",
+    "merge_op",  # noqa: F822 (module __getattr__)
     "left_padded_prefill_ops",
     "right_padded_prefill_ops",
     "first_batch_ops",
     "other_batch_ops",
-    "attend_op",
-    "filter_indices",
+    "attend_op",  # noqa: F822 (module __getattr__)
+    "filter_indices",  # noqa: F822 (module __getattr__)
     "bad_input_cases",
     "bad_input_op",
     "expect_error_op",
-    "BAD_INPUT_ERRORS",
-    "POLICY_CASES",
+    "BAD_INPUT_ERRORS",  # noqa: F822 (module __getattr__)
+    "POLICY_CASES",  # noqa: F822 (module __getattr__)
 ]
 
 MAX_ROWS = 4
@@ -64,24 +69,6 @@ def configs(capabilities: dict | None = None):
         },
         optional={"key_bits": side, "value_bits": side} if caps.get("split_bits", True) else {},
     )
-
-
-@st.composite
-def merge_op(draw, max_rows: int = MAX_ROWS, rebatch: bool = False):
-    """Merge of single requests, empty members (length 0) included.
-
-    Some members may be full-precision ``KVCache``s; all of them only when
-    ``rebatch`` (a batch is running, whose class supplies the configuration).
-    """
-    lengths = draw(st.lists(st.integers(0, MAX_PROMPT), min_size=1, max_size=max_rows))
-    op = {"op": "merge", "lengths": lengths, "kv_seed": draw(seeds)}
-    n = len(lengths)
-    full = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n), label="full precision")
-    if len(full) == n and not rebatch:
-        full = full[:-1]
-    if full:
-        op["full_precision"] = sorted(full)
-    return op
 
 
 @st.composite
@@ -132,6 +119,8 @@ def first_batch_ops(capabilities: dict, max_rows: int = MAX_ROWS):
         )
     ]
     if capabilities.get("merge"):
+        from tqbatch.testing.ops.merge import merge_op
+
         options += [merge_op(max_rows).map(lambda op: [op]), b1_decoded_ops()]
     if capabilities.get("prepare"):
         options.append(left_padded_prefill_ops(max_rows))
@@ -148,35 +137,14 @@ def other_batch_ops(capabilities: dict, max_rows: int = 2):
     return st.one_of(empty, first_batch_ops(capabilities, max_rows))
 
 
-@st.composite
-def attend_op(draw, kv_heads: int, max_queries: int = MAX_BLOCK):
-    """A forward step: N queries (GQA: q_heads a multiple of kv_heads), N new tokens."""
-    n = draw(st.integers(1, max_queries))
-    op = {
-        "op": "attend",
-        "queries": n,
-        "q_heads": kv_heads * draw(st.sampled_from([1, 2])),
-        "q_seed": draw(seeds),
-        "kv_seed": draw(seeds),
-    }
-    if draw(st.integers(0, 3)) == 0:
-        op["window_size"] = draw(st.integers(1, 6))
-    return op
+class BatchShape(NamedTuple):
+    """What a bad-input case may depend on: the batch's rows, its written end (0:
+    nothing written yet), the target's capabilities, and the world's codec seed."""
 
-
-@st.composite
-def filter_indices(draw, left_padding: list[int]):
-    """A non-empty subset of rows in any order; often keeps or drops the unpadded row."""
-    B = len(left_padding)
-    keep = draw(st.lists(st.integers(0, B - 1), min_size=1, max_size=B, unique=True))
-    zero_rows = [b for b, p in enumerate(left_padding) if p == 0]
-    if zero_rows and B > 1 and draw(st.booleans()):
-        # Drop every unpadded row: the compaction case (omlx #2172).
-        rest = [b for b in keep if b not in zero_rows] or [
-            b for b in range(B) if b not in zero_rows
-        ][:1]
-        keep = rest or keep
-    return keep
+    rows: int
+    written: int
+    capabilities: dict
+    world_seed: int
 
 
 def bad_input_cases(
@@ -185,79 +153,27 @@ def bad_input_cases(
     """Every bad-input ``(case, inner op)`` that applies to a batch of this geometry.
 
     The catalogue ``bad_input_op`` draws from, and that a test can walk case
-    by case (tqbatch's pytest plugin does). ``written``: the written end (0:
-    nothing written yet); ``capabilities`` (``tqbatch.testing.impl``) leaves
-    out cases of operations the target lacks.
+    by case (tqbatch's pytest plugin does): each op's ``bad_inputs``
+    (``tqbatch.testing.ops``), for the ops whose capabilities the target
+    offers (``capabilities``, ``tqbatch.testing.impl``).
     """
-    B = batch_size
-    choices = [("update-rows", {"op": "update", "tokens": 1, "kv_seed": 0, "rows": B + 1})]
-    if written:
-        # Only once a write has fixed the geometry: an empty cache's first
-        # write may bring any head count and head_dim.
-        choices += [
-            ("update-head-dim", {"op": "update", "tokens": 1, "kv_seed": 0, "head_dim": 16}),
-            ("update-heads", {"op": "update", "tokens": 1, "kv_seed": 0, "heads": 3}),
-        ]
-    if capabilities.get("filter"):
-        choices += [
-            ("filter-out-of-range", {"op": "filter", "indices": [B]}),
-            ("filter-repeated", {"op": "filter", "indices": [0, 0]}),
-            ("filter-empty", {"op": "filter", "indices": []}),
-        ]
-    if capabilities.get("extract"):
-        choices.append(("extract-out-of-range", {"op": "extract", "index": B}))
-    if capabilities.get("trim"):
-        choices.append(("trim-negative", {"op": "trim", "n": -1}))
-    if capabilities.get("prepare"):
-        choices += [
-            (
-                "prepare-negative-right",
-                {"op": "prepare", "left_padding": None, "right_padding": [-1] * B},
-            ),
-            (
-                "prepare-left-length",
-                {"op": "prepare", "left_padding": [0] * (B + 1), "right_padding": None},
-            ),
-        ]
-        if written:
-            choices += [
-                (
-                    "prepare-left-after-write",
-                    {"op": "prepare", "left_padding": [1] * B, "right_padding": None},
-                ),
-                # a valid right padding with the refused left one: nothing may stick
-                (
-                    "prepare-both-after-write",
-                    {"op": "prepare", "left_padding": [1] * B, "right_padding": [1] * B},
-                ),
-            ]
-    if capabilities.get("extend"):
-        other = [
-            {"op": "new", "left_padding": [0], "seed": world_seed + 1},
-            {"op": "update", "tokens": 2, "kv_seed": 1},
-        ]
-        if capabilities.get("seed", True):  # the other batch is built with another seed
-            choices.append(("extend-mixed-config", {"op": "extend", "other": other}))
-        choices.append(
-            (
-                "extend-foreign",
-                {"op": "extend", "other": [{"op": "new", "left_padding": [0]}], "foreign": True},
-            )
-        )
-    if capabilities.get("merge"):
-        choices += [
-            (
-                "merge-mixed-config",
-                {"op": "merge", "lengths": [2, 3], "kv_seed": 0, "member_seeds": [0, 1]},
-            ),
-            ("merge-foreign", {"op": "merge", "lengths": [2, 1], "kv_seed": 0, "foreign": True}),
-        ]
+    from tqbatch.testing.ops import OPS
+
+    batch = BatchShape(batch_size, written, capabilities, world_seed)
+    choices = []
+    for op in OPS.values():
+        if not all(capabilities.get(c) for c in op.needs):
+            continue
+        for bad in op.bad_inputs:
+            inner = bad.inner(batch)
+            if inner is not None:
+                choices.append((bad.case, inner))
     return choices
 
 
 def expect_error_op(case: str, inner: dict) -> dict:
     """The ``expect_error`` op of bad-input ``case``: ``inner`` must raise its documented error."""
-    return {"op": "expect_error", "inner": inner, "error": BAD_INPUT_ERRORS[case], "case": case}
+    return {"op": "expect_error", "inner": inner, "error": _bad_input_errors()[case], "case": case}
 
 
 @st.composite
@@ -280,24 +196,33 @@ def bad_input_op(
     return expect_error_op(case, inner)
 
 
-# The exception each bad-input case must raise: tqbatch's policy (README, Errors).
-# TypeError for a wrong kind of object, IndexError for an index past the batch,
-# ValueError for everything else.
-BAD_INPUT_ERRORS = {
-    "update-rows": "ValueError",
-    "update-head-dim": "ValueError",
-    "update-heads": "ValueError",
-    "filter-out-of-range": "IndexError",
-    "filter-repeated": "ValueError",
-    "filter-empty": "ValueError",
-    "extract-out-of-range": "IndexError",
-    "trim-negative": "ValueError",
-    "prepare-negative-right": "ValueError",
-    "prepare-left-length": "ValueError",
-    "prepare-left-after-write": "ValueError",
-    "prepare-both-after-write": "ValueError",
-    "extend-mixed-config": "ValueError",
-    "extend-foreign": "TypeError",
-    "merge-mixed-config": "ValueError",
-    "merge-foreign": "TypeError",
+def _bad_input_errors() -> dict[str, str]:
+    """The exception each bad-input case must raise: tqbatch's policy (README, Errors).
+
+    TypeError for a wrong kind of object, IndexError for an index past the
+    batch, ValueError for everything else.
+    """
+    from tqbatch.testing.ops import OPS
+
+    return {bad.case: bad.error for op in OPS.values() for bad in op.bad_inputs}
+
+
+# Strategies of one op, kept in its module; read from here too.
+_OP_STRATEGIES = {
+    "merge_op": "tqbatch.testing.ops.merge",
+    "attend_op": "tqbatch.testing.ops.attend",
+    "filter_indices": "tqbatch.testing.ops.filter",
 }
+
+
+def __getattr__(name: str):
+    # Gathered from the op modules, which import this one: read on first use.
+    if name == "BAD_INPUT_ERRORS":
+        return _bad_input_errors()
+    if name == "POLICY_CASES":
+        from tqbatch.testing.ops import policy_cases
+
+        return policy_cases()
+    if name in _OP_STRATEGIES:
+        return getattr(importlib.import_module(_OP_STRATEGIES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -166,3 +166,24 @@ def excess_ratios(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> np.ndar
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(diff == 0, 0.0, diff / tol)
     return np.where(np.isnan(ratio), np.inf, ratio)
+
+
+# ---- tolerances of recorded quantities (golden scenarios' tolerance tables)
+
+EXACT = {"atol": 0, "rtol": 0, "max_mismatch_fraction": 0}
+
+CROSS_PLATFORM_NOTE = (
+    "Not measured (no Metal machine here): Metal's fused quantize kernel and GPU matmuls "
+    "round differently from the CPU, so a coordinate within float32 rounding of a codebook "
+    "boundary can land in the neighbouring bucket."
+)
+
+# Packed codes and norms replayed on another platform than the recording's.
+PACKED_CROSS_PLATFORM = {
+    "atol": 0,
+    "rtol": 0.001,
+    "max_mismatch_fraction": 0.02,
+    "reason": CROSS_PLATFORM_NOTE + " Float16 norms may differ in their last bit "
+    "(rtol 1e-3 ~ one float16 ulp); up to 2% of packed words may hold a flipped "
+    "bucket. A geometry bug moves whole tokens: ~100% of a row's words.",
+}

@@ -1,0 +1,121 @@
+"""``merge``: a new batch from single-request caches (``Impl.merge``)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from tqbatch.testing.ops.declaration import BadInput, Op, Rule
+from tqbatch.testing.reference import DenseOracle
+from tqbatch.testing.strategies import MAX_PROMPT, MAX_ROWS, seeds
+
+
+@st.composite
+def merge_op(draw, max_rows: int = MAX_ROWS, rebatch: bool = False):
+    """Merge of single requests, empty members (length 0) included.
+
+    Some members may be full-precision ``KVCache``s; all of them only when
+    ``rebatch`` (a batch is running, whose class supplies the configuration).
+    """
+    lengths = draw(st.lists(st.integers(0, MAX_PROMPT), min_size=1, max_size=max_rows))
+    op = {"op": "merge", "lengths": lengths, "kv_seed": draw(seeds)}
+    n = len(lengths)
+    full = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n), label="full precision")
+    if len(full) == n and not rebatch:
+        full = full[:-1]
+    if full:
+        op["full_precision"] = sorted(full)
+    return op
+
+
+def _target(world, op):
+    lengths = [int(n) for n in op["lengths"]]
+    H, D = world.kv_heads, world.head_dim
+    rng = np.random.default_rng(op["kv_seed"])
+    scale = op.get("scale", 1.0)
+    members = [
+        (
+            (rng.standard_normal((H, n, D)) * scale).astype(np.float32),
+            (rng.standard_normal((H, n, D)) * scale).astype(np.float32),
+        )
+        for n in lengths
+    ]
+    seeds_ = op.get("member_seeds") or [world.seed] * len(lengths)
+    full_precision = set(op.get("full_precision") or ())
+    if op.get("foreign"):
+        # Affine-quantized: not the request's exact K/V, so never a member.
+        # Left empty (its group sizes do not divide every head_dim): the
+        # type alone must be refused.
+        singles = [QuantizedKVCache(group_size=32, bits=4) for _ in lengths]
+    else:
+        singles = [
+            KVCache() if i in full_precision else world.single(s) for i, s in enumerate(seeds_)
+        ]
+    for single, (k, v) in zip(singles, members):
+        if k.shape[1] and not op.get("foreign"):
+            single.update_and_fetch(mx.array(k[None]), mx.array(v[None]))
+    merge = world.impl.merge
+    if full_precision and len(full_precision) == len(lengths):
+        # No member carries a configuration: re-batch through the running
+        # batch's class, as mlx-vlm's qwen3_5 does after running rows alone.
+        if world.target is None:
+            raise ValueError("merge of only full-precision members needs a batch to re-batch")
+        merge = type(world.target).merge
+    return merge(singles), members
+
+
+def _oracles(world, op, ctx):
+    world.target, members = ctx
+    requests = [world.model.new_request(k, v) for k, v in members]
+    world.model.reset_merged(requests)
+    world.dense = DenseOracle.merged(members)
+    for req in requests:
+        world.refs.new(req.id)
+    world.refs.append_rows([(req.id, req.keys, req.values) for req in requests])
+
+
+def _restart(machine, data):
+    return [data.draw(merge_op(rebatch=True), label="merge")]
+
+
+OP = Op(
+    name="merge",
+    fields="`lengths: [int]`, `kv_seed: int`",
+    meaning="replace the target with `Impl.merge` of single-request `TurboQuantKVCache`s; "
+    "request i is prefilled with `lengths[i]` tokens (0 = empty member)",
+    target=_target,
+    oracles=_oracles,
+    needs=("merge",),
+    optional=(
+        ("`scale: float`", "K/V scale of the members' tokens"),
+        ("`member_seeds: [int]`", "codec seed per member (bad input: mixed configurations)"),
+        (
+            "`full_precision: [int]`",
+            "members at these indices are mlx-lm `KVCache`s (full precision, quantized by the "
+            "merge); all of them: merged by `type(target).merge`, the running batch's class",
+        ),
+        ("`foreign: true`", "members are mlx-lm `QuantizedKVCache`s (affine-quantized, bad input)"),
+    ),
+    bad_inputs=(
+        BadInput(
+            "merge-mixed-config",
+            "ValueError",
+            lambda batch: {"op": "merge", "lengths": [2, 3], "kv_seed": 0, "member_seeds": [0, 1]},
+        ),
+        BadInput(
+            "merge-foreign",
+            "TypeError",
+            lambda batch: {"op": "merge", "lengths": [2, 1], "kv_seed": 0, "foreign": True},
+        ),
+    ),
+    rules=(
+        Rule(
+            "restart_with_merge",
+            _restart,
+            lambda machine: machine._has("merge"),
+            doc="A new batch from singles (the old one is finished).",
+        ),
+    ),
+)

@@ -1,0 +1,34 @@
+"""``new``: an empty batch, ``Impl(left_padding, bits, seed)``."""
+
+from __future__ import annotations
+
+from tqbatch.testing.ops.declaration import Op
+from tqbatch.testing.reference import DenseOracle
+
+
+def _target(world, op):
+    return world.construct(op["left_padding"], op.get("bits"), op.get("seed"))
+
+
+def _oracles(world, op, target):
+    world.target = target
+    world.model.reset_empty(op["left_padding"])
+    world.dense = DenseOracle.empty(op["left_padding"])
+    for row in world.model.rows:
+        world.refs.new(row.request.id)
+
+
+OP = Op(
+    name="new",
+    fields="`left_padding: [int]`",
+    meaning="replace the target with an empty `Impl(left_padding, bits, seed)`",
+    target=_target,
+    oracles=_oracles,
+    # Its needs are the configuration's (World.configuration_needs).
+    optional=(
+        (
+            "`bits: float`, `seed: int`",
+            "configuration of this batch instead of the world's (bad input in `extend`)",
+        ),
+    ),
+)
