@@ -22,14 +22,6 @@ from tqbatch.commands import add_impl_argument
 from tqbatch.exitcodes import ExitCode
 from tqbatch.testing import golden
 from tqbatch.testing.impl import ImplSpecError, load_impl
-from tqbatch.testing.scenario import (
-    RecordError,
-    Scenario,
-    ScenarioError,
-    discover,
-    needs_recording,
-    record,
-)
 
 
 def register(subparsers) -> None:
@@ -58,6 +50,16 @@ def register(subparsers) -> None:
 
 def record_paths(paths, *, everything: bool = False, impl: str | None = None) -> int:
     """Record the scenarios under ``paths``; the exit code (see the module docstring)."""
+    # Imported here: the executor needs the harness extra, the parser must not.
+    from tqbatch.testing.scenario import (
+        RecordError,
+        Scenario,
+        ScenarioError,
+        discover,
+        needs_recording,
+        record,
+    )
+
     try:
         cls = load_impl(impl)
         scenarios = [Scenario.load(p) for p in discover(paths or [golden.DIRECTORY])]

@@ -31,7 +31,6 @@ from tqbatch.exitcodes import ExitCode
 from tqbatch.testing import golden
 from tqbatch.testing.backend import describe_line
 from tqbatch.testing.impl import ImplSpecError, load_impl
-from tqbatch.testing.scenario import Scenario, ScenarioError, discover, replay
 
 
 def register(subparsers) -> None:
@@ -71,6 +70,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    # Imported here: the executor needs the harness extra, the parser must not.
+    from tqbatch.testing.scenario import Scenario, ScenarioError, discover, replay
+
     try:
         explicit = load_impl(args.impl) if args.impl else None
         paths = discover(args.paths or [golden.DIRECTORY])
@@ -129,7 +131,7 @@ def run(args) -> int:
     return code
 
 
-def _recorded_target(scenario: Scenario) -> str | None:
+def _recorded_target(scenario) -> str | None:
     """The target a saved failure was found on (``module:Class``), or None (a golden scenario)."""
     options = (scenario.found_on or {}).get("options") or {}
     target = options.get("impl")

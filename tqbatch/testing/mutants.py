@@ -503,6 +503,24 @@ class ExtractIgnoresLeftPadding(BatchTurboQuantKVCache):
             self.left_padding = lp
 
 
+@_historical("offset")
+class FinalizeForgetsPaddingAfterWrite(BatchTurboQuantKVCache):
+    """finalize() rolls right padding only when a write followed prepare(): a ragged
+    speculative rollback (prepare after the verify block, then finalize, as mlx-vlm commits
+    one) leaves each row's rejected drafts attended: phantom keys (mlx-vlm #1962).
+    """
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
+        self._prepared_at = self._end
+
+    def finalize(self):
+        if self._right_padding is not None and getattr(self, "_prepared_at", None) == self._end:
+            self._right_padding = None  # "nothing written since prepare: nothing to roll"
+            return
+        super().finalize()
+
+
 # ---------------------------------------------------------------- lookups
 
 DESCRIPTIONS: dict[str, str] = {

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from tqbatch.testing.judges import Judgement, judge, judge_tokens
 from tqbatch.testing.reference import TurboReferences
-from tqbatch.testing.tolerances import content_tolerance, excess_ratios
 from tqbatch.workbench.cache_rows import read_rows, read_single
 from tqbatch.workbench.reference_attention import attention_operands, reference_attention
 
@@ -219,17 +219,13 @@ class RequestOracle:
                 detail = f"{name} (H, T, D) {mine.shape}, the reference's {theirs.shape}"
                 self.fail(kind, uid, layer, where, detail)
                 return  # the values would say the same
-
-        def judged(want):
-            tols = [content_tolerance(t) for t in want]
-            return tols, [excess_ratios(m, t, tol) for m, t, tol in zip(got, want, tols)]
-
-        tols, ratios = judged(want)
-        if any((r > 1.0).any() for r in ratios) and self.admit(uid, layer, lambda: got):
-            want = self.want(uid, layer)
-            tols, ratios = judged(want)
-        for name, mine, theirs, tol, r in zip(("keys", "values"), got, want, tols, ratios):
-            self.record(kind, uid, layer, where, mine, theirs, tol, name, ratios=r)
+        for side, name in enumerate(("keys", "values")):
+            judgement = judge_tokens(
+                got[side],
+                lambda: self.want(uid, layer)[side],  # noqa: B023 (judged at once)
+                lambda tol: self.admit(uid, layer, lambda: got),
+            )
+            self.record(kind, uid, layer, where, judgement, name)
 
     def check_attention(
         self,
@@ -259,41 +255,25 @@ class RequestOracle:
             want, mask = reference_attention(queries, ref_keys, ref_values, scale, sinks, window)
             return attention_operands(queries, got, want, ref_keys, ref_values, mask, scale)
 
-        mine, theirs, tol = operands()
-        # A wrong output shape is record's to report, not a rounding question.
-        ratios = excess_ratios(mine, theirs, tol) if mine.shape == theirs.shape else None
-        quantized = self.quantized if quantized is None else quantized
-        if ratios is not None and (ratios > 1.0).any() and quantized and read_row is not None:
-            if self.admit(uid, layer, read_row):
-                mine, theirs, tol = operands()
-                ratios = excess_ratios(mine, theirs, tol)
-        self.record("attention", uid, layer, where, mine, theirs, tol, "attention output", ratios)
-
-    def record(self, kind, uid, layer, where, got, want, tol, name="keys", ratios=None):
-        """Count one check of ``got`` against ``want`` (``ratios``: their excess ratios,
-        if the caller has them), and fail it past ``tol``."""
-        if got.shape != want.shape:
-            self.fail(
-                kind,
-                uid,
-                layer,
-                where,
-                f"{name} have shape {got.shape}, the reference {want.shape}",
-            )
+        mine, theirs, _ = operands()
+        if mine.shape != theirs.shape:  # not a rounding question
+            detail = f"attention output has shape {mine.shape}, the reference {theirs.shape}"
+            self.fail("attention", uid, layer, where, detail)
             return
-        ratios = excess_ratios(got, want, tol) if ratios is None else ratios
-        ratio = float(ratios.max()) if ratios.size else 0.0
-        self.checks.setdefault(uid, RequestChecks()).add(kind, ratio)
-        if not ratio <= 1.0:
-            at = np.unravel_index(np.argmax(ratios), ratios.shape)
-            diff = abs(float(got[at]) - float(want[at]))
-            bound = float(np.broadcast_to(tol, ratios.shape)[at])
+        quantized = self.quantized if quantized is None else quantized
+        admit = None
+        if quantized and read_row is not None:
+            admit = lambda: self.admit(uid, layer, read_row)  # noqa: E731
+        self.record("attention", uid, layer, where, judge(operands, admit), "attention output")
+
+    def record(self, kind, uid, layer, where, judgement: Judgement, name="keys"):
+        """Count one check (``judges``), and fail it where the judgement did not pass."""
+        self.checks.setdefault(uid, RequestChecks()).add(kind, judgement.ratio)
+        if not judgement.passed:
             verb = "differs" if name == "attention output" else "differ"
-            detail = (
-                f"{name} {verb} from the reference by up to {ratio:.3g}x the tolerance "
-                f"(|diff| {diff:.3g} > {bound:.3g} at {tuple(int(i) for i in at)})"
+            self.fail(
+                kind, uid, layer, where, f"{name} {verb} from the reference {judgement.detail()}"
             )
-            self.fail(kind, uid, layer, where, detail)
 
     def fail(self, kind: str, uid: str | None, layer: int | None, where: str, detail: str):
         self.failures.append(OracleFailure(kind, uid, layer, where, detail))
