@@ -61,6 +61,7 @@ from hypothesis.stateful import get_state_machine_test
 from tqbatch.testing.checks import CHECKS, HARNESS
 from tqbatch.testing.impl import impl_spec
 from tqbatch.testing.known_failures import failure_key
+from tqbatch.testing.machine_observer import MachineObserver
 from tqbatch.testing.minimize import minimize
 from tqbatch.testing.profiles import register_profiles
 from tqbatch.testing.stateful import UnsupportedOpsWarning, machine_for
@@ -329,12 +330,14 @@ def run_campaign(
     base = settings.get_profile(profile)
     result = CampaignResult()
     known: dict[str, dict] = {}
+    observer = MachineObserver()  # every example's ops and failures, this campaign's only
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnsupportedOpsWarning)
         machine = machine_for(
             impl,
             contract_checks=contract_checks,
             tolerate=(lambda failure: failure.identity in known) if survey else None,
+            observer=observer,
         )
     counter = _Counter(result, on_example)
     clock = RunClock()
@@ -344,24 +347,18 @@ def run_campaign(
         def __init__(self):
             super().__init__()
             clock.tick()  # one test run: shrinking is bounded in these
-            # This example's op counts: the class-level totals now, subtracted at teardown.
-            self._before = (dict(type(self).op_counts), dict(type(self).pair_counts))
+            # This example's op counts: the observer's totals now, subtracted at teardown.
+            self._before = observer.counts()
 
         def teardown(self):
-            ops_before, pairs_before = self._before
-            ops = {k: v - ops_before.get(k, 0) for k, v in type(self).op_counts.items()}
-            pairs = {k: v - pairs_before.get(k, 0) for k, v in type(self).pair_counts.items()}
+            ops, pairs = observer.counts_since(self._before)
             world = self.world
-            counter.example_done(
-                {k: v for k, v in ops.items() if v},
-                {k: v for k, v in pairs.items() if v},
-                world.refs.admitted if world is not None else 0,
-            )
+            counter.example_done(ops, pairs, world.refs.admitted if world is not None else 0)
 
     key = campaign_key(impl, contract_checks=contract_checks, survey=survey)
 
     def failed_replay():
-        failure = Counting.last_failure  # recorded by the run that just failed
+        failure = observer.last_failure  # recorded by the run that just failed
         if failure is not None:
             replayed_failures.add(failure.identity or failure.message)
 
@@ -411,8 +408,7 @@ def run_campaign(
             result.rounds += 1
             generating += not replaying
             was_replaying, replaying = replaying, False
-            Counting.failures.clear()
-            Counting.last_failure = None
+            observer.clear_failures()
             try:
                 with shrink_budget(shrink_runs, clock):
                     _run_machine(Counting, round_settings, key)
@@ -424,7 +420,7 @@ def run_campaign(
                     raise
                 # Nothing saved under this campaign's key: the replay ran nothing.
             except Exception as exc:  # noqa: BLE001 - whatever the run raised is reported
-                found = _found(Counting, exc, sorted(known))
+                found = _found(observer, exc, sorted(known))
                 # As Hypothesis shrank them: where the checks of "also" failed too.
                 shrunk = [list(failure["ops"]) for failure in found]
                 for failure in found:
@@ -559,9 +555,9 @@ def _also_found(impl, failure: dict, ops: list, known: dict, contract_checks: bo
     return out
 
 
-def _found(machine, exc: BaseException, tolerated: list[str]) -> list[dict]:
-    """The failures a round raised, each as its final (shrunk) record."""
-    recorded = list(machine.failures.values())
+def _found(observer: MachineObserver, exc: BaseException, tolerated: list[str]) -> list[dict]:
+    """The failures a round raised, as ``observer`` recorded them: each its final (shrunk) one."""
+    recorded = list(observer.failures.values())
     final = [f for f in recorded if f.final] or recorded
     if not final:
         # Nothing recorded: the machine itself broke (e.g. a strategy error).

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from hypothesis import Phase, settings
 
 from tqbatch.testing.campaign import MINIMIZE_REPLAYS, SHRINK_RUNS, RunClock, shrink_budget
+from tqbatch.testing.machine_observer import MachineObserver
 from tqbatch.testing.minimize import minimize
 from tqbatch.testing.mutants import CATCHES, MUTANTS
 from tqbatch.testing.profiles import PROFILES
@@ -54,10 +55,13 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
     ``profile``: a profile of ``tqbatch.testing.profiles`` or a settings object.
     """
     intended = CATCHES[name]
+    observer = MachineObserver()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnsupportedOpsWarning)
         machine = machine_for(
-            MUTANTS[name], tolerate=lambda failure: failure.check.name != intended
+            MUTANTS[name],
+            tolerate=lambda failure: failure.check.name != intended,
+            observer=observer,
         )
     examples = [0]
     clock = RunClock()
@@ -83,7 +87,7 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
             Counting.TestCase("runTest").runTest()
     except AssertionError:
         pass  # the machine recorded what failed
-    failure = Counting.last_failure
+    failure = observer.last_failure
     if shrink and failure is not None and failure.check == intended:
         # As tqbatch fuzz reports it: Hypothesis's shrink, then the op-level pass.
         ops, check_failure = minimize(

@@ -4,9 +4,11 @@ Kept apart from the model and the checks (as zarr does in
 ``zarr.testing.stateful``): the rules are the op modules' (``Op.rules``,
 ``tqbatch.testing.ops``), which only draw op dicts; the machine hands them to
 ``World.apply``, and its invariant calls ``World.check``. Every op is
-``note()``d as JSON, so a failing run prints a runnable op sequence, and the
-last failure is kept in ``BatchCacheMachine.last_failure`` for writing out as
-a golden scenario; ``failures`` keeps the last one of every check identity
+``note()``d as JSON, so a failing run prints a runnable op sequence. What
+outlives an example goes to the machine's observer
+(``tqbatch.testing.machine_observer``, bound by ``machine_for``): how often
+each op and op pair ran, the last failure (for writing out as a golden
+scenario) and the last one of every check identity
 (``tqbatch.testing.checks``), which after a Hypothesis run is each distinct
 bug's shrunk example.
 
@@ -45,6 +47,7 @@ from tqbatch.testing.impl import (
     load_impl,
     missing_capabilities,
 )
+from tqbatch.testing.machine_observer import MachineObserver
 from tqbatch.testing.ops import OPS, Rule
 from tqbatch.testing.world import World
 
@@ -85,7 +88,7 @@ class Failure:
 
 
 class BatchCacheMachine(RuleBasedStateMachine):
-    """Rules for every op of docs/ops.md; set ``impl`` with ``machine_for``."""
+    """Rules for every op of docs/ops.md; set ``impl`` and ``observer`` with ``machine_for``."""
 
     impl: type | None = None
     contract_checks: bool = True
@@ -94,11 +97,9 @@ class BatchCacheMachine(RuleBasedStateMachine):
     # Bad-input cases not to draw (a survey's: each is already reported, and
     # an accepted bad input ends the example, which would starve the search).
     avoid_cases: frozenset = frozenset()
-    last_failure: Failure | None = None
-    failures: dict = {}  # identity -> Failure, the last recorded
-    # How often each op ran in this process, for campaign summaries.
-    op_counts: dict = {}
-    pair_counts: dict = {}
+    # Told of every op run and every failure recorded, by every example
+    # (Hypothesis makes a machine per example); None: nobody is told.
+    observer: MachineObserver | None = None
 
     def __init__(self):
         super().__init__()
@@ -125,11 +126,8 @@ class BatchCacheMachine(RuleBasedStateMachine):
                 self._record(exc)
                 raise
             name = op["op"]
-            counts = type(self).op_counts
-            counts[name] = counts.get(name, 0) + 1
-            if self._previous_op is not None:
-                pair = (self._previous_op, name)
-                type(self).pair_counts[pair] = type(self).pair_counts.get(pair, 0) + 1
+            if self.observer is not None:
+                self.observer.op_ran(self._previous_op, name)
             self._previous_op = name
 
     def _record(self, exc: BaseException):
@@ -147,8 +145,8 @@ class BatchCacheMachine(RuleBasedStateMachine):
             also=[f.identity for f in exc.also] if checked else [],
             final=currently_in_test_context() and current_build_context().is_final,
         )
-        type(self).last_failure = failure
-        type(self).failures[failure.identity or failure.message] = failure
+        if self.observer is not None:
+            self.observer.failed(failure)
 
     @property
     def model(self):
@@ -230,13 +228,16 @@ def machine_for(
     *,
     contract_checks: bool = True,
     tolerate: Callable[[CheckFailure], bool] | None = None,
+    observer: MachineObserver | None = None,
 ) -> type[BatchCacheMachine]:
     """A ``BatchCacheMachine`` subclass bound to ``impl`` (default: ``load_impl()``).
 
     Warns ``UnsupportedOpsWarning`` naming the operations whose rules are
     skipped because the class lacks them. ``contract_checks=False`` leaves
     out the structural checks of ``World`` (see its docstring); ``tolerate``
-    picks failures to run past (see ``World``).
+    picks failures to run past (see ``World``). Its examples report their
+    ops and failures to ``observer`` (default: a new ``MachineObserver``),
+    which it keeps as ``observer``.
     """
     impl = impl if impl is not None else load_impl()
     missing = missing_capabilities(impl)
@@ -266,10 +267,7 @@ def machine_for(
             "impl": impl,
             "contract_checks": contract_checks,
             "tolerate": staticmethod(tolerate) if tolerate else None,
-            "op_counts": {},
-            "pair_counts": {},
-            "last_failure": None,
-            "failures": {},
+            "observer": observer if observer is not None else MachineObserver(),
         },
     )
 
