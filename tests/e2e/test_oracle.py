@@ -11,9 +11,9 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch.testing.doubles import RoundsFarOtherwise, RoundsOtherwise
 from tqbatch.testing.reference import TurboReferences
-from tqbatch.workbench.cache_oracle import CacheOracle
 from tqbatch.workbench.e2e import flipped_codes, run_scenario
 from tqbatch.workbench.serving import ForwardLayout
+from tqbatch.workbench.serving_oracle import ServingOracle
 
 from .conftest import BITS, SEED, SPEC
 
@@ -21,7 +21,7 @@ from .conftest import BITS, SEED, SPEC
 def test_capture_is_removed_even_when_the_forward_raises(model):
     caches = [TurboQuantKVCache(bits=BITS, seed=SEED) for _ in range(SPEC.num_layers)]
     attention = qwen2_language.scaled_dot_product_attention
-    oracle = CacheOracle(model, bits=BITS, seed=SEED, quantized_layers=range(SPEC.num_layers))
+    oracle = ServingOracle(model, bits=BITS, seed=SEED, quantized_layers=range(SPEC.num_layers))
     layout = ForwardLayout("decode", ("x",), (range(1),))
     update_and_fetch = TurboQuantKVCache.update_and_fetch
     with pytest.raises(RuntimeError, match="boom"):

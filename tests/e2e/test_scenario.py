@@ -5,9 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from tqbatch.workbench.cache_oracle import CacheOracle
 from tqbatch.workbench.e2e import REQUESTS, ModelSpec, run_scenario
 from tqbatch.workbench.serving import ContinuousBatcher, Request
+from tqbatch.workbench.serving_oracle import ServingOracle
 
 from .conftest import BITS, SEED, SMALL_SPEC, SPEC
 
@@ -91,7 +91,7 @@ def test_teacher_forcing_decides_tokens_and_verify_acceptance(model, impl):
 def test_left_padding_through_prepare_passes_the_oracle(model, impl):
     """``prepare(left_padding=...)`` on unpadded caches serves like the constructor."""
     prompts = {"p": [9, 8, 7, 6, 5, 4], "q": [11, 12], "r": [300, 301, 302, 303]}
-    oracle = CacheOracle(model, bits=BITS, seed=SEED, quantized_layers=range(SPEC.num_layers - 1))
+    oracle = ServingOracle(model, bits=BITS, seed=SEED, quantized_layers=range(SPEC.num_layers - 1))
     server = ContinuousBatcher(model, bits=BITS, seed=SEED, batch_cache_class=impl, observer=oracle)
     # Any tokens do for a cache check: teacher-force fixed ones.
     requests = [Request(uid, p, 4, teacher=[40, 41, 42, 43]) for uid, p in prompts.items()]

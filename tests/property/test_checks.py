@@ -91,7 +91,7 @@ def _bad(case, inner, error):
 
 
 def _corrupt_model(world):
-    world.model.rows[0].left_padding += 1  # the numpy model now disagrees with BatchKVCache
+    world.numpy_model.rows[0].left_padding += 1  # the numpy model now disagrees with BatchKVCache
 
 
 # check -> (cache class, ops, prepare(world) or None, patch(monkeypatch) or None)

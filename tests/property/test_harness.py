@@ -17,7 +17,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 
 import tqbatch
 from tqbatch.testing.impl import ImplSpecError, capabilities, load_impl
-from tqbatch.testing.model import attention, causal_mask
+from tqbatch.testing.numpy_model import attention, causal_mask
 from tqbatch.testing.world import World
 
 
@@ -85,7 +85,7 @@ def run(impl, ops=SCENARIO, check=True):
 
 def test_executor_accepts_the_reference_implementation():
     world = run(tqbatch.BatchTurboQuantKVCache)
-    assert world.model.batch_size == 2
+    assert world.numpy_model.batch_size == 2
 
 
 class LeakyMask(tqbatch.BatchTurboQuantKVCache):

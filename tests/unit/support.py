@@ -41,7 +41,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 from tqbatch import BatchTurboQuantKVCache
 from tqbatch.testing.generation import POISON
 from tqbatch.testing.impl import load_impl
-from tqbatch.testing.model import causal_mask
+from tqbatch.testing.numpy_model import causal_mask
 from tqbatch.testing.tolerances import attention_tolerance, content_tolerance
 
 # The class under test: tqbatch's own unless $TQBATCH_IMPL / --impl names

@@ -16,7 +16,7 @@ from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch.testing.generation import POISON
-from tqbatch.testing.model import causal_mask
+from tqbatch.testing.numpy_model import causal_mask
 from tqbatch.testing.tolerances import attention_tolerance, content_tolerance
 
 CASES = [(bits, d, t) for bits in (2.0, 4.0, 8.0) for d in (64, 128) for t in (1, 9, 60)]

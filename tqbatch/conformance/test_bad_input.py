@@ -47,7 +47,9 @@ def test_bad_input(case, tqbatch_harness, request):
         for op in _setup_ops(caps):
             world.apply(op)
             world.check()
-        cases = dict(bad_input_cases(world.model.batch_size, world.model.end, caps, world.seed))
+        cases = dict(
+            bad_input_cases(world.numpy_model.batch_size, world.numpy_model.end, caps, world.seed)
+        )
         if case in cases:
             for op in (
                 expect_error_op(case, cases[case]),

@@ -16,7 +16,7 @@ import numpy as np
 
 from tqbatch.testing.checks import KnownFailure
 from tqbatch.testing.judges import judge_tokens
-from tqbatch.testing.model import causal_mask
+from tqbatch.testing.numpy_model import causal_mask
 from tqbatch.testing.reference import as_ints, to_numpy
 
 __all__ = ["MASK_CHECKS", "check_all", "guarded", "read"]
@@ -67,7 +67,7 @@ def _check_contract(world, op):
 
 
 def _check_geometry(world, op):
-    t, m, d = world.target, world.model, world.dense
+    t, m, d = world.target, world.numpy_model, world.dense
     # Each quantity read on its own: one that cannot be read (a ``read``
     # failure) leaves the others to be compared.
     got = {
@@ -95,18 +95,18 @@ def _check_geometry(world, op):
 def _check_dense_matches_model(world, op):
     if world.dense.cache.keys is None:
         return
-    for b in range(world.model.batch_size):
-        if world.model.row_length(b) == 0:
+    for b in range(world.numpy_model.batch_size):
+        if world.numpy_model.row_length(b) == 0:
             continue
         dk, dv = world.dense.row_tokens(b)
-        mk, mv = world.model.tokens(b)
+        mk, mv = world.numpy_model.tokens(b)
         if not (np.array_equal(dk, mk) and np.array_equal(dv, mv)):
             world.report("harness", op, f"BatchKVCache row {b} tokens disagree with the model")
 
 
 def _check_masks(world, op):
     for n, window in MASK_CHECKS:
-        want = world.model.mask(n, window)
+        want = world.numpy_model.mask(n, window)
         dense = world.dense.mask(n, window)
         if dense.shape != want.shape or not np.array_equal(dense, want):
             world.report(
@@ -158,7 +158,7 @@ def _check_default_mask(world, op, n, window, want):
                 f"make_mask({n}, window_size={window}) differs from BatchKVCache's",
             )
         return
-    plain = causal_mask(n, world.model.end, [0] * world.model.batch_size, None)
+    plain = causal_mask(n, world.numpy_model.end, [0] * world.numpy_model.batch_size, None)
     if default is None and want.all():
         return
     if isinstance(default, str) and default == "causal" and np.array_equal(want, plain):
@@ -175,7 +175,7 @@ def _dequantized_rows(world, op):
     """The target's ``dequantize()`` as (B, H, end, D) numpy keys and values, or None
     where its form does not let rows be told apart (reported)."""
     keys, values = world.target.dequantize()
-    end, B = world.model.end, world.model.batch_size
+    end, B = world.numpy_model.end, world.numpy_model.batch_size
     arrays = {}
     for name, x in (("keys", keys), ("values", values)):
         is_array = isinstance(x, mx.array)
@@ -208,9 +208,9 @@ def _dequantized_rows(world, op):
 
 
 def _check_rows(world, op):
-    if not world.capabilities["dequantize"] or world.model.end == 0:
+    if not world.capabilities["dequantize"] or world.numpy_model.end == 0:
         return
-    rows = [b for b in range(world.model.batch_size) if world.model.row_length(b)]
+    rows = [b for b in range(world.numpy_model.batch_size) if world.numpy_model.row_length(b)]
     if not rows:
         return
     if world.target.empty():
@@ -218,10 +218,10 @@ def _check_rows(world, op):
     both = _dequantized_rows(world, op)
     if both is None:
         return  # rows cannot be told apart in these: content is not evaluated
-    end = world.model.end
+    end = world.numpy_model.end
     for b in rows:
-        lp = world.model.rows[b].left_padding
-        rid = world.model.rows[b].request.id
+        lp = world.numpy_model.rows[b].left_padding
+        rid = world.numpy_model.rows[b].request.id
         for side, (name, held) in enumerate(zip(("keys", "values"), both)):
             got = held[b, :, lp:end]
             want = world.refs.dequantized(rid)[side]

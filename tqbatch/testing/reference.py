@@ -1,6 +1,6 @@
 """The oracles the target is compared with.
 
-* ``DenseOracle``: mlx-lm's ``BatchKVCache`` fed the same full-precision K/V
+* ``DenseReference``: mlx-lm's ``BatchKVCache`` fed the same full-precision K/V
   and the same ops. It defines the geometry (offsets, left padding, written
   end, masks) a batch cache must keep in lockstep with.
 * ``TurboReferences``: per request, what a single-request
@@ -41,7 +41,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 from tqbatch.testing.rounding import AdmissibleCodes
 from tqbatch.testing.tolerances import content_tolerance, excess_ratios
 
-__all__ = ["DenseOracle", "TurboReferences", "as_ints", "to_numpy"]
+__all__ = ["DenseReference", "TurboReferences", "as_ints", "to_numpy"]
 
 
 def to_numpy(x) -> np.ndarray:
@@ -62,18 +62,18 @@ def as_ints(x) -> list[int]:
     return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
 
 
-class DenseOracle:
+class DenseReference:
     """mlx-lm's ``BatchKVCache`` in full precision, with snapshotting read-outs."""
 
     def __init__(self, cache: BatchKVCache):
         self.cache = cache
 
     @classmethod
-    def empty(cls, left_padding: Sequence[int]) -> DenseOracle:
+    def empty(cls, left_padding: Sequence[int]) -> DenseReference:
         return cls(BatchKVCache(list(left_padding)))
 
     @classmethod
-    def merged(cls, members: Sequence[tuple[np.ndarray, np.ndarray]]) -> DenseOracle:
+    def merged(cls, members: Sequence[tuple[np.ndarray, np.ndarray]]) -> DenseReference:
         """Merge single full-precision requests, each (H, T, D) keys and values."""
         singles = []
         for keys, values in members:
@@ -152,7 +152,7 @@ class DenseOracle:
         if pending is not None:  # defect 1
             c._right_padding = mx.array([pending[i] for i in indices])
 
-    def extend(self, other: DenseOracle):
+    def extend(self, other: DenseReference):
         mine, theirs = self.right_padding, other.right_padding
         B1, B2 = len(self.offsets), len(other.offsets)
         self.cache.extend(other.cache)

@@ -149,8 +149,8 @@ class BatchCacheMachine(RuleBasedStateMachine):
             self.observer.failed(failure)
 
     @property
-    def model(self):
-        return self.world.model
+    def numpy_model(self):
+        return self.world.numpy_model
 
     def _has(self, capability: str) -> bool:
         return self.world is not None and bool(self.caps.get(capability))

@@ -1,7 +1,7 @@
 """The op executor: apply ops of docs/ops.md to a target and its oracles, and check them.
 
 A ``World`` holds the cache under test (``target``), the numpy model of what
-it should hold (``model``), mlx-lm's full-precision ``BatchKVCache`` (``dense``)
+it should hold (``numpy_model``), mlx-lm's full-precision ``BatchKVCache`` (``dense``)
 and what a single-request ``TurboQuantKVCache`` holds per request (``refs``).
 ``World.apply(op)`` performs one op on all of them, generating K/V and queries
 deterministically from the op's seeds (``tqbatch.testing.generation``), with
@@ -36,7 +36,7 @@ from tqbatch.testing.collector import FailureCollector
 from tqbatch.testing.generation import POISON, random_kv
 from tqbatch.testing.impl import capabilities, load_impl
 from tqbatch.testing.invariants import MASK_CHECKS
-from tqbatch.testing.model import BatchModel
+from tqbatch.testing.numpy_model import NumpyBatchModel
 from tqbatch.testing.ops import OPS
 from tqbatch.testing.reference import TurboReferences, to_numpy
 
@@ -98,8 +98,8 @@ class World:
         self.contract_checks = contract_checks
         self.failures = FailureCollector(tolerate)
         self.target = None
-        self.model = BatchModel(kv_heads, head_dim, self._ids)
-        self.dense = None  # a DenseOracle once a batch exists
+        self.numpy_model = NumpyBatchModel(kv_heads, head_dim, self._ids)
+        self.dense = None  # a DenseReference once a batch exists
         self.refs = TurboReferences(bits, seed, key_bits, value_bits)
         self.ops: list[dict] = []
         self.last: Any = None
@@ -264,18 +264,18 @@ class World:
         """Append (B, H, T, D) tokens to the dense oracle, the model and the references;
         returns, per row, the slice of the T new tokens that are request tokens."""
         self.dense.update(keys, values)
-        taken = self.model.write(keys, values)
+        taken = self.numpy_model.write(keys, values)
         self.refs.append_rows(
             [
                 (row.request.id, keys[b, :, taken[b]], values[b, :, taken[b]])
-                for b, row in enumerate(self.model.rows)
+                for b, row in enumerate(self.numpy_model.rows)
             ]
         )
         return taken
 
     def trim_references(self, dropped) -> None:
         """Drop ``dropped[b]`` tokens from the end of row ``b``'s request reference."""
-        for row, n in zip(self.model.rows, dropped):
+        for row, n in zip(self.numpy_model.rows, dropped):
             self.refs.trim(row.request.id, n)
 
     def admit_row(self, b: int) -> bool:
@@ -289,10 +289,10 @@ class World:
             return False
         keys, values = (to_numpy(x) for x in self.target.dequantize())
         for got in (keys, values):
-            if got.ndim != 4 or got.shape[0] != self.model.batch_size:
+            if got.ndim != 4 or got.shape[0] != self.numpy_model.batch_size:
                 return False  # rows cannot be told apart: the ``dequantize`` check reports it
-        lp, end = self.model.rows[b].left_padding, self.model.end
-        rid = self.model.rows[b].request.id
+        lp, end = self.numpy_model.rows[b].left_padding, self.numpy_model.end
+        rid = self.numpy_model.rows[b].request.id
         return self.refs.admit_rounding_row(rid, keys[b, :, lp:end], values[b, :, lp:end])
 
     def poison_row_token(self, rows: int, rng: np.random.Generator) -> mx.array:

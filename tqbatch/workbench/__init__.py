@@ -6,11 +6,11 @@ run one way: the workbench uses both, the harness uses the cache, the cache
 uses neither.
 
 * ``serving``: a continuous-batching server loop over mlx-vlm model code.
-* ``cache_oracle``: per-request references checked against the caches that
+* ``serving_oracle``: per-request references checked against the caches that
   loop drives.
-* ``request_oracle``: the request oracle under ``cache_oracle.CacheOracle``,
+* ``request_oracle``: the request oracle under ``serving_oracle.ServingOracle``,
   the one judge of both serving loops (``model_matrix.Oracle`` is a
-  ``CacheOracle`` that stops at the first failure), with what it uses:
+  ``ServingOracle`` that stops at the first failure), with what it uses:
   ``forward_capture`` (one forward's K/V and attention, captured by
   ``kv_ledger``, fed and checked), ``cache_rows`` (the reader of a cache's
   rows) and ``reference_attention`` (a row's reference attention).

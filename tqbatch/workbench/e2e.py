@@ -4,7 +4,7 @@ Builds a small Qwen2 language model from mlx-vlm's own model code with random
 weights made locally and drives it with tqbatch.workbench.serving.ContinuousBatcher
 through every batch operation a server uses, each request teacher-forced
 with the tokens it gets when decoded alone. The verdict is the cache oracle
-(tqbatch.workbench.cache_oracle): after every forward, each quantized layer's rows,
+(tqbatch.workbench.serving_oracle): after every forward, each quantized layer's rows,
 attention outputs and extracted caches must equal single-request
 TurboQuantKVCache references fed the very K/V the batch cache was handed, to
 rounding. The distance of each request's logits from the request run alone
@@ -50,13 +50,13 @@ from mlx_vlm.models.qwen2 import language as qwen2_language
 from mlx_vlm.models.qwen2.config import ModelConfig
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.workbench.cache_oracle import (
+from tqbatch.workbench.serving import ContinuousBatcher, ForwardLayout, MaskGeometryError, Request
+from tqbatch.workbench.serving_oracle import (
     CacheCheckFailed,
-    CacheOracle,
     OracleFailure,
     RequestChecks,
+    ServingOracle,
 )
-from tqbatch.workbench.serving import ContinuousBatcher, ForwardLayout, MaskGeometryError, Request
 
 __all__ = [
     "LOGITS_ATOL",
@@ -385,7 +385,7 @@ def run_scenario(
 
     dense = spec.dense_layers
     quantized = [i for i in range(spec.num_layers) if i not in dense]
-    oracle = CacheOracle(
+    oracle = ServingOracle(
         model,
         bits=bits,
         seed=seed,
@@ -441,7 +441,7 @@ def run_scenario(
     return result
 
 
-def _resume(model, oracle: CacheOracle, finished, result: ScenarioResult) -> mx.array | None:
+def _resume(model, oracle: ServingOracle, finished, result: ScenarioResult) -> mx.array | None:
     """Decode one more step from a finished request's extracted caches, under the oracle.
 
     Shows the extracted caches are independent, working single-request

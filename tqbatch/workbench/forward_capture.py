@@ -1,7 +1,7 @@
 """One forward under the request oracle: what each cache was handed, fed to the references,
 and each row's attention checked.
 
-The serving loops run their forwards through it (``cache_oracle.CacheOracle``
+The serving loops run their forwards through it (``serving_oracle.ServingOracle``
 for ``ContinuousBatcher``, which the model matrix drives too, and for the
 matrix's run of mlx-lm's ``BatchGenerator``). During the forward the
 K/V handed to every watched cache object and every attention call of the

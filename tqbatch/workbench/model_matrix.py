@@ -25,7 +25,7 @@ caches of the same kinds), and two verdicts are taken:
 
 * **the cache oracle** isolates the cache from forward noise: the K/V each
   target cache object is handed are recorded (``forward_capture``, the
-  workbench's ``CacheOracle``'s too, on ``kv_ledger.KVLedger``, which also sees
+  workbench's ``ServingOracle``'s too, on ``kv_ledger.KVLedger``, which also sees
   rows qwen3_5 runs alone and re-merges), each row's real columns are fed to
   a single-request reference (a ``TurboQuantKVCache`` of the same bits and
   seed, or the plain tokens for a full-precision target; where float rounding
@@ -76,10 +76,10 @@ from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatchTurboQuantKVCac
 from tqbatch import mlx_lm as tq_mlx_lm
 from tqbatch.testing.reference import to_numpy
 from tqbatch.workbench import lm_families, vlm_families
-from tqbatch.workbench.cache_oracle import CacheCheckFailed, CacheOracle
 from tqbatch.workbench.cache_rows import FULL_PRECISION_BATCHES
 from tqbatch.workbench.request_oracle import RequestChecks
 from tqbatch.workbench.serving import ContinuousBatcher, ModelAdapter, Request
+from tqbatch.workbench.serving_oracle import CacheCheckFailed, ServingOracle
 
 __all__ = [
     "ALL_FAMILIES",
@@ -232,8 +232,8 @@ class RequestVerdict:
     gap: float | None = None
 
 
-class Oracle(CacheOracle):
-    """The matrix's request oracle: the workbench's ``CacheOracle`` for one target,
+class Oracle(ServingOracle):
+    """The matrix's request oracle: the workbench's ``ServingOracle`` for one target,
     stopping at the first failed check, with each layer's batch cache class
     (``classes``) to name it where the check fails."""
 

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx_vlm.models.base as vlm_base
 import numpy as np
 
-from tqbatch.testing.model import causal_mask
+from tqbatch.testing.numpy_model import causal_mask
 from tqbatch.testing.reference import to_numpy
 from tqbatch.testing.tolerances import attention_tolerance
 

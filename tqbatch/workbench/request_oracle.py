@@ -1,7 +1,7 @@
 """The request oracle: per request and layer, a reference fed the K/V its batch rows were
 handed, and the checks of a cache's rows, attention and extracted caches against it.
 
-One implementation for both serving loops' judges: ``cache_oracle.CacheOracle``
+One implementation for both serving loops' judges: ``serving_oracle.ServingOracle``
 (the workbench's ``ContinuousBatcher``) and ``model_matrix.Oracle`` (the model
 matrix). For a quantized cache each layer's references are a
 ``TurboReferences`` (a ``TurboQuantKVCache`` of the same bits and seed per

@@ -22,7 +22,7 @@ TurboQuant layer can never silently drift apart (omlx #2237).
 An optional ``ServerObserver`` is told what the server knows and a cache
 must not be trusted to report: which input columns of each row hold a
 request's tokens (``ForwardLayout``), when rows are settled, rolled back or
-extracted. ``tqbatch.workbench.cache_oracle`` uses it to check the caches.
+extracted. ``tqbatch.workbench.serving_oracle`` uses it to check the caches.
 
 Under the default adapter the model must be an mlx-lm style module:
 ``model(tokens, cache=list)`` returns logits ``(B, T, vocab)`` and

@@ -10,7 +10,7 @@ from mlx_vlm.models.base import scaled_dot_product_attention
 from tqbatch.testing import strategies as tqs
 from tqbatch.testing.checks import CONTRACT, Check
 from tqbatch.testing.judges import judge
-from tqbatch.testing.model import attention, causal_mask
+from tqbatch.testing.numpy_model import attention, causal_mask
 from tqbatch.testing.ops.declaration import Op, Recorded, Rule
 from tqbatch.testing.reference import to_numpy
 from tqbatch.testing.tolerances import CROSS_PLATFORM_NOTE, attention_tolerance
@@ -35,10 +35,10 @@ def attend_op(draw, kv_heads: int, max_queries: int = tqs.MAX_BLOCK):
 def _target(world, op):
     N, Hq = int(op["queries"]), int(op["q_heads"])
     window = op.get("window_size")
-    B, D = world.model.batch_size, world.head_dim
+    B, D = world.numpy_model.batch_size, world.head_dim
     rng = np.random.default_rng(op["q_seed"])
     queries = rng.standard_normal((B, Hq, N, D)).astype(np.float32)
-    padded = world.model.padding_slots(N)
+    padded = world.numpy_model.padding_slots(N)
     kv_seed = op.get("kv_seed", op["q_seed"] + 1)
     keys, values = world.random_kv(kv_seed, (B, world.kv_heads, N, D), op.get("scale", 1.0), padded)
     mask = world.target.make_mask(N, return_array=True, window_size=window)
@@ -52,9 +52,9 @@ def _target(world, op):
 def _oracles(world, op, ctx):
     queries, keys, values, out, padded = ctx
     window, D = op.get("window_size"), world.head_dim
-    end_before = world.model.end
+    end_before = world.numpy_model.end
     taken = world.write_oracles(keys, values)
-    for b, row in enumerate(world.model.rows):
+    for b, row in enumerate(world.numpy_model.rows):
         valid = taken[b]
         n_valid = valid.stop - valid.start
         if n_valid == 0:

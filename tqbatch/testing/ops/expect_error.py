@@ -91,7 +91,7 @@ def _snapshot(world) -> dict:
         # for codecs of the same head_dim and bits (another seed).
         "codecs": tuple(getattr(t, name, None) for name in ("key_codec", "value_codec")),
     }
-    if world.capabilities["dequantize"] and not t.empty() and world.model.end > 0:
+    if world.capabilities["dequantize"] and not t.empty() and world.numpy_model.end > 0:
         k, v = t.dequantize()
         snap["keys"], snap["values"] = to_numpy(k), to_numpy(v)
     return snap
@@ -111,8 +111,8 @@ def _bad_input(machine, data):
 
     op = data.draw(
         bad_input_op(
-            machine.model.batch_size,
-            machine.model.end,
+            machine.numpy_model.batch_size,
+            machine.numpy_model.end,
             machine.caps,
             machine.world.seed,
             avoid=type(machine).avoid_cases,

@@ -14,7 +14,7 @@ def _target(world, op):
     for inner in op["other"]:
         other.apply(inner)
     if op.get("foreign"):  # bad input: a rotating window is not a request's history
-        world.target.extend(BatchRotatingKVCache(8, [0] * len(other.model.offsets)))
+        world.target.extend(BatchRotatingKVCache(8, [0] * len(other.numpy_model.offsets)))
     elif op.get("as_dense"):  # the other batch in full precision: quantized on the way in
         if other.dense.right_padding is not None:
             raise ValueError("extend as_dense: finalize the other batch first")
@@ -26,12 +26,12 @@ def _target(world, op):
 
 def _oracles(world, op, other):
     world.dense.extend(other.dense)
-    world.model.extend(other.model)
+    world.numpy_model.extend(other.numpy_model)
     world.refs.absorb(other.refs)
 
 
 def _extend(machine, data):
-    room = tqs.MAX_ROWS - machine.model.batch_size
+    room = tqs.MAX_ROWS - machine.numpy_model.batch_size
     other = data.draw(tqs.other_batch_ops(machine.caps, max_rows=min(2, room)), label="other")
     op = {"op": "extend", "other": other}
     if data.draw(st.integers(0, 3), label="full precision") == 0:
@@ -81,7 +81,9 @@ OP = Op(
         Rule(
             "extend",
             _extend,
-            lambda machine: machine._has("extend") and machine.model.batch_size < tqs.MAX_ROWS,
+            lambda machine: (
+                machine._has("extend") and machine.numpy_model.batch_size < tqs.MAX_ROWS
+            ),
         ),
     ),
 )

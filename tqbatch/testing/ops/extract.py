@@ -20,11 +20,11 @@ def _target(world, op):
 
 def _oracles(world, op, single):
     b = int(op["index"])
-    rid = world.model.rows[b].request.id
-    pending = world.model.right_padding[b] if world.model.right_padding else 0
-    length = max(0, world.model.row_length(b) - pending)
+    rid = world.numpy_model.rows[b].request.id
+    pending = world.numpy_model.right_padding[b] if world.numpy_model.right_padding else 0
+    length = max(0, world.numpy_model.row_length(b) - pending)
     got_len = 0 if single.keys is None else int(single.offset)
-    if got_len != length and pending and got_len == world.model.row_length(b):
+    if got_len != length and pending and got_len == world.numpy_model.row_length(b):
         # BatchKVCache's extract: the row's slots to the written end, the
         # pending padding as tokens. A legal choice mid-prefill (tqbatch
         # leaves it out): the extracted cache is held to what it chose.
@@ -67,7 +67,7 @@ def _oracles(world, op, single):
         out.update(keys=got_k, values=got_v)
         if pending == 0:
             dk, dv = world.dense.extract(b)
-            mk, mv = world.model.tokens(b)
+            mk, mv = world.numpy_model.tokens(b)
             if not (np.array_equal(dk, mk) and np.array_equal(dv, mv)):
                 world.report(
                     "harness", op, f"BatchKVCache.extract({b}) disagrees with the numpy model"
@@ -93,7 +93,7 @@ def _observe(target, op, result):
 
 
 def _extract(machine, data):
-    index = data.draw(st.integers(0, machine.model.batch_size - 1), label="index")
+    index = data.draw(st.integers(0, machine.numpy_model.batch_size - 1), label="index")
     return [{"op": "extract", "index": index}]
 
 

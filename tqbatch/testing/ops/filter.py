@@ -28,11 +28,11 @@ def _target(world, op):
 
 def _oracles(world, op, _):
     world.dense.filter(op["indices"])
-    world.model.filter(op["indices"])
+    world.numpy_model.filter(op["indices"])
 
 
 def _filter(machine, data):
-    keep = data.draw(filter_indices(machine.model.left_padding), label="keep")
+    keep = data.draw(filter_indices(machine.numpy_model.left_padding), label="keep")
     return [{"op": "filter", "indices": keep}]
 
 

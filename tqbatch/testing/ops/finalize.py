@@ -11,7 +11,7 @@ def _target(world, op):
 
 def _oracles(world, op, _):
     world.dense.finalize()
-    world.trim_references(world.model.finalize())
+    world.trim_references(world.numpy_model.finalize())
 
 
 OP = Op(

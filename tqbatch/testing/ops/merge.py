@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from tqbatch.testing.ops.declaration import BadInput, Op, Rule
-from tqbatch.testing.reference import DenseOracle
+from tqbatch.testing.reference import DenseReference
 from tqbatch.testing.strategies import MAX_PROMPT, MAX_ROWS, seeds
 
 
@@ -68,9 +68,9 @@ def _target(world, op):
 
 def _oracles(world, op, ctx):
     world.target, members = ctx
-    requests = [world.model.new_request(k, v) for k, v in members]
-    world.model.reset_merged(requests)
-    world.dense = DenseOracle.merged(members)
+    requests = [world.numpy_model.new_request(k, v) for k, v in members]
+    world.numpy_model.reset_merged(requests)
+    world.dense = DenseReference.merged(members)
     for req in requests:
         world.refs.new(req.id)
     world.refs.append_rows([(req.id, req.keys, req.values) for req in requests])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tqbatch.testing.ops.declaration import Op
-from tqbatch.testing.reference import DenseOracle
+from tqbatch.testing.reference import DenseReference
 
 
 def _target(world, op):
@@ -12,9 +12,9 @@ def _target(world, op):
 
 def _oracles(world, op, target):
     world.target = target
-    world.model.reset_empty(op["left_padding"])
-    world.dense = DenseOracle.empty(op["left_padding"])
-    for row in world.model.rows:
+    world.numpy_model.reset_empty(op["left_padding"])
+    world.dense = DenseReference.empty(op["left_padding"])
+    for row in world.numpy_model.rows:
         world.refs.new(row.request.id)
 
 

@@ -15,21 +15,21 @@ def _target(world, op):
 
 
 def _oracles(world, op, _):
-    world.model.prepare(op.get("left_padding"), op.get("right_padding"))
+    world.numpy_model.prepare(op.get("left_padding"), op.get("right_padding"))
     world.dense.prepare(op.get("left_padding"), op.get("right_padding"))
 
 
 def _right_padded_append(machine, data):
     """prepare(right_padding) + block + finalize on the current batch."""
-    ops = data.draw(tqs.right_padded_prefill_ops(rows=machine.model.batch_size), label="ops")
-    B = machine.model.batch_size
+    ops = data.draw(tqs.right_padded_prefill_ops(rows=machine.numpy_model.batch_size), label="ops")
+    B = machine.numpy_model.batch_size
     # Between the prefill and finalize, while right padding is pending: a
     # request finishes, one is read out, the cache is saved and restored, or
     # another batch joins. (A trim there is not a state servers make.)
     between = ["none", "filter", "extract", "roundtrip", "extend"]
     what = data.draw(st.sampled_from(between), label="while pending")
     if what == "filter" and machine._has("filter") and B > 1:
-        keep = data.draw(filter_indices(machine.model.left_padding), label="keep")
+        keep = data.draw(filter_indices(machine.numpy_model.left_padding), label="keep")
         ops.insert(-1, {"op": "filter", "indices": keep})
     elif what == "extract" and machine._has("extract"):
         index = data.draw(st.integers(0, B - 1), label="index")

@@ -20,12 +20,12 @@ from tqbatch.testing.ops.declaration import Op, Rule
 
 def _validate(world, op):
     n = [int(x) for x in op["n"]]
-    if len(n) != world.model.batch_size or min(n, default=0) < 0:
+    if len(n) != world.numpy_model.batch_size or min(n, default=0) < 0:
         raise ValueError(
             f"rollback: n {op['n']} must give a count >= 0 for each of the "
-            f"{world.model.batch_size} rows"
+            f"{world.numpy_model.batch_size} rows"
         )
-    if world.model.right_padding is not None:
+    if world.numpy_model.right_padding is not None:
         raise ValueError("rollback: right padding is pending; finalize the prefill first")
 
 
@@ -48,13 +48,13 @@ def _target(world, op):
 def _oracles(world, op, trimmed):
     common, tail = _split(op)
     dense_n = world.dense.trim(common)
-    model_n, dropped = world.model.trim(common)
+    model_n, dropped = world.numpy_model.trim(common)
     world.trim_references(dropped)
     if any(tail):
         world.dense.prepare(None, tail)
         world.dense.finalize()
-        world.model.prepare(None, tail)
-        world.trim_references(world.model.finalize())
+        world.numpy_model.prepare(None, tail)
+        world.trim_references(world.numpy_model.finalize())
     if not isinstance(trimmed, (int, np.integer)) or int(trimmed) != model_n:
         world.report(
             "trim_count",
@@ -67,7 +67,7 @@ def _oracles(world, op, trimmed):
 def _ragged_rollback(machine, data):
     """A verify block of drafts, then each row rolls back its own rejected tail."""
     block = data.draw(st.integers(1, 4), label="block")
-    rows = machine.model.offsets
+    rows = machine.numpy_model.offsets
     # A row drops at most the tokens it holds once the block is written.
     n = [
         data.draw(st.integers(0, max(0, min(block, offset + block))), label=f"n[{b}]")
@@ -94,7 +94,7 @@ OP = Op(
             _ragged_rollback,
             lambda machine: (
                 all(machine._has(c) for c in ("trim", "prepare", "finalize"))
-                and machine.model.right_padding is None
+                and machine.numpy_model.right_padding is None
             ),
             doc=_ragged_rollback.__doc__,
         ),

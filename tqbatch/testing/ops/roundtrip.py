@@ -38,19 +38,19 @@ def _target(world, op):
     # moves too. One token per write: the first must fit the buffer the copy
     # may share (a longer write would grow the donor into new arrays).
     if not donor.empty():
-        pending = world.model.right_padding is not None  # trim waits for finalize
-        if world.capabilities["trim"] and min(world.model.offsets) >= 1 and not pending:
+        pending = world.numpy_model.right_padding is not None  # trim waits for finalize
+        if world.capabilities["trim"] and min(world.numpy_model.offsets) >= 1 and not pending:
             donor.trim(1)
         rng = np.random.default_rng(12345)
         for _ in range(2):
-            poison = world.poison_row_token(world.model.batch_size, rng)
+            poison = world.poison_row_token(world.numpy_model.batch_size, rng)
             donor.update_and_fetch(poison, poison)
     return fresh
 
 
 def _oracles(world, op, fresh):
     world.target = fresh
-    pending = world.model.right_padding
+    pending = world.numpy_model.right_padding
     if pending is not None and getattr(fresh, "_right_padding", pending) is None:
         # Read where mlx-lm keeps it: a restore without it has dropped the
         # padding still pending, as BatchKVCache's state does (it is not in
@@ -62,7 +62,7 @@ def _oracles(world, op, fresh):
             f"the restored cache dropped the right padding still pending {pending} "
             "(tqbatch keeps it)",
         )
-        world.model.right_padding = None
+        world.numpy_model.right_padding = None
         world.dense.cache._right_padding = None
 
 

@@ -17,7 +17,7 @@ def _target(world, op):
 
 def _oracles(world, op, trimmed):
     dense_n = world.dense.trim(int(op["n"]))
-    model_n, dropped = world.model.trim(int(op["n"]))
+    model_n, dropped = world.numpy_model.trim(int(op["n"]))
     if not isinstance(trimmed, (int, np.integer)) or int(trimmed) != model_n:
         world.report(
             "trim_count",
@@ -43,7 +43,7 @@ def _speculative_rollback(machine, data):
 
 
 def _trim(machine, data):
-    n = data.draw(st.integers(0, min(machine.model.offsets)), label="n")
+    n = data.draw(st.integers(0, min(machine.numpy_model.offsets)), label="n")
     return [{"op": "trim", "n": n}]
 
 
@@ -68,7 +68,9 @@ OP = Op(
             doc=_speculative_rollback.__doc__,
         ),
         Rule(
-            "trim", _trim, lambda machine: machine._has("trim") and min(machine.model.offsets) > 0
+            "trim",
+            _trim,
+            lambda machine: machine._has("trim") and min(machine.numpy_model.offsets) > 0,
         ),
     ),
     notes=(

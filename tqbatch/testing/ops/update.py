@@ -12,7 +12,7 @@ from tqbatch.testing.ops.declaration import BadInput, Op, Rule
 
 def _shape(world, op, tokens):
     return (
-        op.get("rows", world.model.batch_size),
+        op.get("rows", world.numpy_model.batch_size),
         op.get("heads", world.kv_heads),
         tokens,
         op.get("head_dim", world.head_dim),
@@ -21,7 +21,11 @@ def _shape(world, op, tokens):
 
 def _target(world, op):
     shape = _shape(world, op, int(op["tokens"]))
-    padded = world.model.padding_slots(shape[2]) if shape[0] == world.model.batch_size else None
+    padded = (
+        world.numpy_model.padding_slots(shape[2])
+        if shape[0] == world.numpy_model.batch_size
+        else None
+    )
     keys, values = world.random_kv(op["kv_seed"], shape, op.get("scale", 1.0), padded)
     world.target.update_and_fetch(mx.array(keys), mx.array(values))
     return keys, values

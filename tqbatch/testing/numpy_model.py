@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["BatchModel", "Request", "Row", "causal_mask", "attention"]
+__all__ = ["NumpyBatchModel", "Request", "Row", "causal_mask", "attention"]
 
 
 @dataclass
@@ -81,7 +81,7 @@ def attention(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, mask, s
     return np.einsum("hnl,hld->hnd", weights, v)
 
 
-class BatchModel:
+class NumpyBatchModel:
     """The expected content and geometry of a batch cache."""
 
     def __init__(self, kv_heads: int, head_dim: int, ids: Iterator[int] | None = None):
@@ -198,7 +198,7 @@ class BatchModel:
             row.left_padding -= shift
         self.end -= shift
 
-    def extend(self, other: BatchModel):
+    def extend(self, other: NumpyBatchModel):
         end = max(self.end, other.end)
         for side in (self, other):
             for row in side.rows:

@@ -1,4 +1,5 @@
-"""The cache oracle: batch caches checked against per-request references fed the same K/V.
+"""The serving oracle (the CLI's "cache oracle"): batch caches checked against per-request
+references fed the same K/V, as a serving loop reports its forwards.
 
 A batched forward is not bit-equal to the same request run alone (other
 matmul shapes, other summation orders), so the K/V a batch cache is handed
@@ -52,7 +53,7 @@ from tqbatch.workbench.serving import ForwardLayout, ServerObserver
 
 __all__ = [
     "CacheCheckFailed",
-    "CacheOracle",
+    "ServingOracle",
     "OracleFailure",
     "RequestChecks",
     "attention_module_of",
@@ -75,7 +76,7 @@ class CacheCheckFailed(Exception):
     """Raised from an observer hook to end the run at the first failed check."""
 
 
-class CacheOracle(RequestOracle, ServerObserver):
+class ServingOracle(RequestOracle, ServerObserver):
     """Follows a ``ContinuousBatcher`` (as its observer) and checks its quantized layers.
 
     Args:
