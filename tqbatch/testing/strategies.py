@@ -165,6 +165,8 @@ def bad_input_cases(
         if not all(capabilities.get(c) for c in op.needs):
             continue
         for bad in op.bad_inputs:
+            if bad.after_write and not written:
+                continue
             inner = bad.inner(batch)
             if inner is not None:
                 choices.append((bad.case, inner))

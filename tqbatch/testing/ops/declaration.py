@@ -34,12 +34,16 @@ class BadInput:
     ``batch`` is a ``tqbatch.testing.strategies.BatchShape``. ``policy``: a cache
     could define a meaning for the input (rejecting it is tqbatch's policy,
     check ``rejects_by_policy``, not the contract's ``rejects``).
+    ``after_write``: the case applies only once something is written (before,
+    the input may still be legal: an empty cache's first write brings any
+    head count, left padding is prepared before a prefill).
     """
 
     case: str
     error: str
     inner: Callable[[Any], dict | None]
     policy: bool = False
+    after_write: bool = False
 
 
 @dataclass(frozen=True)

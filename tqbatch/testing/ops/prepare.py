@@ -43,11 +43,6 @@ def _right_padded_append(machine, data):
     return ops
 
 
-def _after_write(op):
-    """Bad input only once something is written (before, the padding is the prefill's)."""
-    return lambda batch: op(batch) if batch.written else None
-
-
 OP = Op(
     name="prepare",
     fields="`left_padding: [int] \\| null`, `right_padding: [int] \\| null`",
@@ -69,21 +64,19 @@ OP = Op(
         BadInput(
             "prepare-left-after-write",
             "ValueError",
-            _after_write(
-                lambda b: {"op": "prepare", "left_padding": [1] * b.rows, "right_padding": None}
-            ),
+            lambda b: {"op": "prepare", "left_padding": [1] * b.rows, "right_padding": None},
+            after_write=True,
         ),
         # a valid right padding with the refused left one: nothing may stick
         BadInput(
             "prepare-both-after-write",
             "ValueError",
-            _after_write(
-                lambda b: {
-                    "op": "prepare",
-                    "left_padding": [1] * b.rows,
-                    "right_padding": [1] * b.rows,
-                }
-            ),
+            lambda b: {
+                "op": "prepare",
+                "left_padding": [1] * b.rows,
+                "right_padding": [1] * b.rows,
+            },
+            after_write=True,
         ),
     ),
     rules=(

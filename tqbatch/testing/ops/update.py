@@ -46,12 +46,6 @@ def _append_block(machine, data):
     return [{"op": "update", "tokens": tokens, "kv_seed": data.draw(tqs.seeds, label="kv_seed")}]
 
 
-def _once_written(inner):
-    # Only once a write has fixed the geometry: an empty cache's first write
-    # may bring any head count and head_dim.
-    return lambda batch: dict(inner) if batch.written else None
-
-
 OP = Op(
     name="update",
     fields="`tokens: int`, `kv_seed: int`",
@@ -74,12 +68,14 @@ OP = Op(
         BadInput(
             "update-head-dim",
             "ValueError",
-            _once_written({"op": "update", "tokens": 1, "kv_seed": 0, "head_dim": 16}),
+            lambda b: {"op": "update", "tokens": 1, "kv_seed": 0, "head_dim": 16},
+            after_write=True,
         ),
         BadInput(
             "update-heads",
             "ValueError",
-            _once_written({"op": "update", "tokens": 1, "kv_seed": 0, "heads": 3}),
+            lambda b: {"op": "update", "tokens": 1, "kv_seed": 0, "heads": 3},
+            after_write=True,
         ),
     ),
     rules=(Rule("append_block", _append_block, doc=_append_block.__doc__),),
