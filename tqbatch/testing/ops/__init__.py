@@ -8,42 +8,32 @@ executor (``tqbatch.testing.world.World``), the state machine
 (``tqbatch.testing.stateful``), replay (``tqbatch.testing.scenario``), the
 bad-input survey (``tqbatch.testing.strategies.bad_input_cases``) and
 docs/ops.md (``python -m tqbatch.testing.ops``) read ``OPS``. Adding an op is
-adding a module here and its name to ``_MODULES``.
+adding a module here: every module but ``declaration`` declares one, ``OP``,
+named after the module.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 from tqbatch.testing import checks as _checks
 from tqbatch.testing.ops.declaration import BadInput, Op, Recorded, Rule
 
 __all__ = ["OPS", "BadInput", "Op", "Recorded", "Rule", "policy_cases", "recorded_quantity"]
 
-# In docs/ops.md's order.
-_MODULES = (
-    "merge",
-    "new",
-    "prepare",
-    "update",
-    "finalize",
-    "filter",
-    "extend",
-    "extract",
-    "trim",
-    "rollback",
-    "roundtrip",
-    "attend",
-    "expect_error",
-)
-
 
 def _load() -> dict[str, Op]:
+    """Every module of this package that declares an ``OP``, by module name."""
     ops = {}
-    for name in _MODULES:
-        op = importlib.import_module(f"{__name__}.{name}").OP
-        if op.name in ops:
-            raise ValueError(f"op {op.name!r} is declared twice")
+    for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+        if module.startswith("_") or module == "declaration":
+            continue
+        op = importlib.import_module(f"{__name__}.{module}").OP
+        if op.name != module:
+            raise ValueError(
+                f"{__name__}.{module} declares op {op.name!r}: name it after its module"
+            )
         ops[op.name] = op
         _checks.register(op.checks)
     return ops
