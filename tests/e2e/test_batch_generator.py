@@ -22,6 +22,7 @@ from tqbatch.workbench.e2e import LOGITS_ATOL, reference_run
 from tqbatch.workbench.serving import MaskWidthProbe
 
 from .conftest import BITS, SEED, SPEC
+from .support import drain
 
 # BatchGenerator can be neither teacher-forced nor tapped, so these tests compare
 # logits with the requests run alone at LOGITS_ATOL, which holds at float32 only
@@ -55,21 +56,6 @@ def probed(model):
         del model.make_cache
 
 
-def _drain(gen, late=None):
-    """Run ``gen`` to completion; insert ``late`` after the second step. Returns per uid."""
-    tokens, logprobs, caches, step = {}, {}, {}, 0
-    while responses := gen.next_generated():
-        step += 1
-        if step == 2 and late is not None:
-            late()
-        for r in responses:
-            tokens.setdefault(r.uid, []).append(r.token)
-            logprobs.setdefault(r.uid, []).append(r.logprobs)
-            if r.finish_reason is not None:
-                caches[r.uid] = r.prompt_cache
-    return tokens, logprobs, caches
-
-
 def _assert_matches_alone(model, history, tokens, logprobs):
     ref = reference_run(model, history, len(tokens), bits=BITS, seed=SEED, dense_layers=DENSE)
     assert tokens == ref.tokens
@@ -84,7 +70,7 @@ def test_batch_generator_with_tqbatch_caches_equals_requests_alone(probed):
     model, probe = probed
     gen = BatchGenerator(model, max_tokens=8, prefill_batch_size=2, completion_batch_size=3)
     gen.insert(PROMPTS[:2], max_tokens=MAX_TOKENS[:2])
-    tokens, logprobs, caches = _drain(
+    tokens, logprobs, caches = drain(
         gen, late=lambda: gen.insert(PROMPTS[2:], max_tokens=MAX_TOKENS[2:])
     )
 
@@ -115,7 +101,7 @@ def test_extracted_caches_resume_a_conversation(probed):
     model, _ = probed
     gen = BatchGenerator(model, max_tokens=4, prefill_batch_size=2, completion_batch_size=2)
     gen.insert(PROMPTS[:2], max_tokens=[4, 3])
-    first_tokens, _, first_caches = _drain(gen)
+    first_tokens, _, first_caches = drain(gen)
 
     follow_ups = [[42, 43, 44], [7]]
     # extract() returns caches BatchGenerator can merge again: no conversion.
@@ -127,7 +113,7 @@ def test_extracted_caches_resume_a_conversation(probed):
         if isinstance(c, TurboQuantKVCache)
     )
     gen.insert(follow_ups, max_tokens=[3, 4], caches=resumed)
-    tokens, logprobs, _ = _drain(gen)
+    tokens, logprobs, _ = drain(gen)
 
     for (uid, new_uid), follow in zip(((0, 2), (1, 3)), follow_ups):
         history = PROMPTS[uid] + first_tokens[uid] + follow

@@ -42,6 +42,8 @@ from tqbatch import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
 from tqbatch.workbench import lm_families
 from tqbatch.workbench.e2e import LOGITS_ATOL
 
+from .support import drain
+
 BITS, SEED = 4.0, 0
 ORIGINAL = lm_base.scaled_dot_product_attention
 assert ORIGINAL.__module__ == "mlx_lm.models.base", "a route was left enabled at import"
@@ -225,21 +227,6 @@ def _alone(model, prompt, steps):
         logits = model(mx.array([[tokens[-1]]]), cache=caches)[0, -1]
 
 
-def _drain(gen, late=None):
-    """Run ``gen`` to completion, calling ``late`` after the second step. Returns per uid."""
-    tokens, logprobs, caches, step = {}, {}, {}, 0
-    while responses := gen.next_generated():
-        step += 1
-        if step == 2 and late is not None:
-            late()
-        for r in responses:
-            tokens.setdefault(r.uid, []).append(r.token)
-            logprobs.setdefault(r.uid, []).append(r.logprobs)
-            if r.finish_reason is not None:
-                caches[r.uid] = r.prompt_cache
-    return tokens, logprobs, caches
-
-
 @tf32
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batch_generator_on_mlx_lm_models_equals_requests_alone(family, models, route, vlm_calls):
@@ -252,7 +239,7 @@ def test_batch_generator_on_mlx_lm_models_equals_requests_alone(family, models, 
 
     gen = BatchGenerator(model, max_tokens=8, prefill_batch_size=2, completion_batch_size=3)
     gen.insert(PROMPTS[:2], max_tokens=MAX_TOKENS[:2], caches=caches(2))
-    tokens, logprobs, finished = _drain(
+    tokens, logprobs, finished = drain(
         gen, late=lambda: gen.insert(PROMPTS[2:], max_tokens=MAX_TOKENS[2:], caches=caches(1))
     )
 
@@ -283,7 +270,7 @@ def test_install_make_cache_is_the_hook_batch_generator_and_the_server_call(mode
 
     gen = BatchGenerator(model, max_tokens=3, prefill_batch_size=2, completion_batch_size=2)
     gen.insert(PROMPTS[:2], max_tokens=[3, 3])
-    tokens, _, finished = _drain(gen)
+    tokens, _, finished = drain(gen)
     for uid in range(2):
         assert tokens[uid] == _alone(model, PROMPTS[uid], 3)[0]
         assert isinstance(finished[uid][1], BatchableTurboQuantKVCache)
