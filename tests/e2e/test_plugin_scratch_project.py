@@ -34,6 +34,9 @@ from pathlib import Path
 
 import pytest
 
+from tqbatch.testing import golden
+from tqbatch.testing.strategies import BAD_INPUT_ERRORS
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 600
 
@@ -277,8 +280,9 @@ def test_a_conforming_cache_passes_with_every_test_in_junit(scratch):
         "test_state_machine",
     ):
         assert name in cases, sorted(cases)
-    assert sum(n.startswith("test_bad_input[") for n in cases) == 16
-    assert sum(n.startswith("test_golden[") for n in cases) == 31
+    assert sum(n.startswith("test_bad_input[") for n in cases) == len(BAD_INPUT_ERRORS)
+    # Every scenario the installed package ships, none skipped by collection.
+    assert sum(n.startswith("test_golden[") for n in cases) == len(golden.paths())
     assert not [c for c in cases.values() if c.find("failure") is not None]
     assert not (scratch.project / "tqbatch-failures").exists()  # a green run leaves nothing
 
