@@ -92,7 +92,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
 
     impl: type | None = None
     contract_checks: bool = True
-    # Failures to note and run past instead of raising (see World._report).
+    # Failures to note and run past instead of raising (see FailureCollector).
     tolerate: Callable[[CheckFailure], bool] | None = None
     # Bad-input cases not to draw (a survey's: each is already reported, and
     # an accepted bad input ends the example, which would starve the search).
@@ -105,7 +105,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.world: World | None = None
         self.config: dict = {}
-        self._previous_op: str | None = None
+        self.previous_op: str | None = None
 
     # -------------------------------------------------------------- helpers
 
@@ -127,8 +127,8 @@ class BatchCacheMachine(RuleBasedStateMachine):
                 raise
             name = op["op"]
             if self.observer is not None:
-                self.observer.op_ran(self._previous_op, name)
-            self._previous_op = name
+                self.observer.op_ran(self.previous_op, name)
+            self.previous_op = name
 
     def _record(self, exc: BaseException):
         impl = self.world.impl
@@ -152,7 +152,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
     def numpy_model(self):
         return self.world.numpy_model
 
-    def _has(self, capability: str) -> bool:
+    def has(self, capability: str) -> bool:
         return self.world is not None and bool(self.caps.get(capability))
 
     # -------------------------------------------------------------- start

@@ -82,7 +82,7 @@ OP = Op(
             "extend",
             _extend,
             lambda machine: (
-                machine._has("extend") and machine.numpy_model.batch_size < tqs.MAX_ROWS
+                machine.has("extend") and machine.numpy_model.batch_size < tqs.MAX_ROWS
             ),
         ),
     ),

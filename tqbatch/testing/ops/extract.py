@@ -155,5 +155,5 @@ OP = Op(
             "extract-out-of-range", "IndexError", lambda b: {"op": "extract", "index": b.rows}
         ),
     ),
-    rules=(Rule("extract", _extract, lambda machine: machine._has("extract")),),
+    rules=(Rule("extract", _extract, lambda machine: machine.has("extract")),),
 )

@@ -59,5 +59,5 @@ OP = Op(
             "filter-empty", "ValueError", lambda b: {"op": "filter", "indices": []}, policy=True
         ),
     ),
-    rules=(Rule("filter", _filter, lambda machine: machine._has("filter")),),
+    rules=(Rule("filter", _filter, lambda machine: machine.has("filter")),),
 )

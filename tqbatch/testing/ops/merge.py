@@ -114,7 +114,7 @@ OP = Op(
         Rule(
             "restart_with_merge",
             _restart,
-            lambda machine: machine._has("merge"),
+            lambda machine: machine.has("merge"),
             doc="A new batch from singles (the old one is finished).",
         ),
     ),

@@ -28,15 +28,15 @@ def _right_padded_append(machine, data):
     # another batch joins. (A trim there is not a state servers make.)
     between = ["none", "filter", "extract", "roundtrip", "extend"]
     what = data.draw(st.sampled_from(between), label="while pending")
-    if what == "filter" and machine._has("filter") and B > 1:
+    if what == "filter" and machine.has("filter") and B > 1:
         keep = data.draw(filter_indices(machine.numpy_model.left_padding), label="keep")
         ops.insert(-1, {"op": "filter", "indices": keep})
-    elif what == "extract" and machine._has("extract"):
+    elif what == "extract" and machine.has("extract"):
         index = data.draw(st.integers(0, B - 1), label="index")
         ops.insert(-1, {"op": "extract", "index": index})
-    elif what == "roundtrip" and machine._has("roundtrip"):
+    elif what == "roundtrip" and machine.has("roundtrip"):
         ops.insert(-1, {"op": "roundtrip"})
-    elif what == "extend" and machine._has("extend") and B < tqs.MAX_ROWS:
+    elif what == "extend" and machine.has("extend") and B < tqs.MAX_ROWS:
         room = min(2, tqs.MAX_ROWS - B)
         other = data.draw(tqs.other_batch_ops(machine.caps, max_rows=room), label="other")
         ops.insert(-1, {"op": "extend", "other": other})
@@ -83,7 +83,7 @@ OP = Op(
         Rule(
             "right_padded_append",
             _right_padded_append,
-            lambda machine: machine._has("prepare") and machine._has("finalize"),
+            lambda machine: machine.has("prepare") and machine.has("finalize"),
             doc="prepare(right_padding) + block + finalize on the current batch.",
         ),
     ),

@@ -93,7 +93,7 @@ OP = Op(
             "ragged_rollback",
             _ragged_rollback,
             lambda machine: (
-                all(machine._has(c) for c in ("trim", "prepare", "finalize"))
+                all(machine.has(c) for c in ("trim", "prepare", "finalize"))
                 and machine.numpy_model.right_padding is None
             ),
             doc=_ragged_rollback.__doc__,

@@ -87,7 +87,7 @@ OP = Op(
         Rule(
             "roundtrip",
             lambda machine, data: [{"op": "roundtrip"}],
-            lambda machine: machine._has("roundtrip") and machine._previous_op != "roundtrip",
+            lambda machine: machine.has("roundtrip") and machine.previous_op != "roundtrip",
             draws=False,
         ),
     ),

@@ -64,13 +64,13 @@ OP = Op(
         Rule(
             "speculative_rollback",
             _speculative_rollback,
-            lambda machine: machine._has("trim"),
+            lambda machine: machine.has("trim"),
             doc=_speculative_rollback.__doc__,
         ),
         Rule(
             "trim",
             _trim,
-            lambda machine: machine._has("trim") and min(machine.numpy_model.offsets) > 0,
+            lambda machine: machine.has("trim") and min(machine.numpy_model.offsets) > 0,
         ),
     ),
     notes=(
