@@ -81,9 +81,7 @@ OP = Op(
         Rule(
             "extend",
             _extend,
-            lambda machine: (
-                machine.has("extend") and machine.numpy_model.batch_size < tqs.MAX_ROWS
-            ),
+            lambda machine: machine.has("extend") and machine.numpy_model.batch_size < tqs.MAX_ROWS,
         ),
     ),
 )
