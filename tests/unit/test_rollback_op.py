@@ -19,6 +19,7 @@ from mlx_vlm.speculative.cache_state import rollback_speculative_cache
 
 from tqbatch import BatchTurboQuantKVCache
 from tqbatch.testing.mutants import FinalizeForgetsPaddingAfterWrite
+from tqbatch.testing.reference import as_ints
 from tqbatch.testing.world import World
 
 H, D = 2, 64
@@ -67,10 +68,6 @@ def _same_writes(cache_factory, merge, lengths, block):
     return batch
 
 
-def _ints(x) -> list[int]:
-    return np.array(x).reshape(-1).astype(int).tolist()
-
-
 @settings(max_examples=25, deadline=None)
 @given(verify_rounds())
 def test_rollback_is_mlx_vlms_commit_of_a_ragged_accept(round_):
@@ -80,8 +77,8 @@ def test_rollback_is_mlx_vlms_commit_of_a_ragged_accept(round_):
     # mlx-lm's BatchKVCache through mlx-vlm's commit: the geometry the dense reference reached.
     dense = _same_writes(KVCache, BatchKVCache.merge, lengths, block)
     rollback_speculative_cache([dense], None, accepted, block)
-    assert _ints(dense.offset) == world.numpy_model.offsets
-    assert _ints(dense.left_padding) == world.numpy_model.left_padding
+    assert as_ints(dense.offset) == world.numpy_model.offsets
+    assert as_ints(dense.left_padding) == world.numpy_model.left_padding
     assert dense._idx == world.numpy_model.end
 
     # tqbatch's cache through mlx-vlm's commit: the very bytes the op left in the target.
@@ -90,8 +87,8 @@ def test_rollback_is_mlx_vlms_commit_of_a_ragged_accept(round_):
 
     direct = _same_writes(single, BatchTurboQuantKVCache.merge, lengths, block)
     rollback_speculative_cache([direct], None, accepted, block)
-    assert _ints(direct.offset) == _ints(world.target.offset)
-    assert _ints(direct.left_padding) == _ints(world.target.left_padding)
+    assert as_ints(direct.offset) == as_ints(world.target.offset)
+    assert as_ints(direct.left_padding) == as_ints(world.target.left_padding)
     for mine, theirs in zip(direct.dequantize(), world.target.dequantize()):
         assert np.array_equal(np.array(mine), np.array(theirs))
 
@@ -108,10 +105,10 @@ def test_the_mutant_that_forgets_late_right_padding_fails_at_the_rollback():
 def test_a_malformed_rollback_is_refused_before_the_target_sees_it(n, why):
     world = World(BatchTurboQuantKVCache, kv_heads=H, head_dim=D)
     world.apply({"op": "merge", "lengths": [2, 3, 1], "kv_seed": 1})
-    before = _ints(world.target.offset)
+    before = as_ints(world.target.offset)
     with pytest.raises(ValueError, match=why):
         world.apply({"op": "rollback", "n": n})
-    assert _ints(world.target.offset) == before
+    assert as_ints(world.target.offset) == before
     assert world.ops[-1]["op"] == "merge"  # not recorded as applied
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from tqbatch.testing.reference import to_numpy
+from tqbatch.testing.reference import as_ints, to_numpy
 
 __all__ = ["MASK_FORMS", "ObservationError", "of_target", "packed_leaves"]
 
@@ -50,9 +50,7 @@ def packed_leaves(state, prefix: str) -> dict[str, np.ndarray]:
 
 
 def _ints(x) -> np.ndarray:
-    if isinstance(x, mx.array):
-        mx.eval(x)
-    return np.asarray(np.array(x), dtype=np.int64).reshape(-1)
+    return np.array(as_ints(x), dtype=np.int64)
 
 
 def of_target(target) -> dict[str, np.ndarray]:

@@ -33,7 +33,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 from tqbatch.testing import invariants, observation
 from tqbatch.testing.checks import CheckFailure, KnownFailure
 from tqbatch.testing.collector import FailureCollector
-from tqbatch.testing.generation import POISON, random_kv
+from tqbatch.testing.generation import POISON
 from tqbatch.testing.impl import capabilities, load_impl
 from tqbatch.testing.invariants import MASK_CHECKS
 from tqbatch.testing.numpy_model import NumpyBatchModel
@@ -226,10 +226,6 @@ class World:
         )
 
     # ============================================================ for the ops
-
-    def random_kv(self, seed: int, shape, scale: float, padded: np.ndarray | None = None):
-        """float32 (B, H, T, D) keys and values from ``seed``; padded (B, T) slots poisoned."""
-        return random_kv(seed, shape, scale, padded)
 
     def single(self, seed: int | None = None) -> TurboQuantKVCache:
         """A single-request ``TurboQuantKVCache`` of this configuration (``seed``: another)."""

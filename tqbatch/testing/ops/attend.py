@@ -9,6 +9,7 @@ from mlx_vlm.models.base import scaled_dot_product_attention
 
 from tqbatch.testing import strategies as tqs
 from tqbatch.testing.checks import CONTRACT, Check
+from tqbatch.testing.generation import random_kv
 from tqbatch.testing.judges import judge
 from tqbatch.testing.numpy_model import attention, causal_mask
 from tqbatch.testing.ops.declaration import Op, Recorded, Rule
@@ -40,7 +41,7 @@ def _target(world, op):
     queries = rng.standard_normal((B, Hq, N, D)).astype(np.float32)
     padded = world.numpy_model.padding_slots(N)
     kv_seed = op.get("kv_seed", op["q_seed"] + 1)
-    keys, values = world.random_kv(kv_seed, (B, world.kv_heads, N, D), op.get("scale", 1.0), padded)
+    keys, values = random_kv(kv_seed, (B, world.kv_heads, N, D), op.get("scale", 1.0), padded)
     mask = world.target.make_mask(N, return_array=True, window_size=window)
     ks, vs = world.target.update_and_fetch(mx.array(keys), mx.array(values))
     out = scaled_dot_product_attention(

@@ -6,6 +6,7 @@ import mlx.core as mx
 from hypothesis import strategies as st
 
 from tqbatch.testing import strategies as tqs
+from tqbatch.testing.generation import random_kv
 from tqbatch.testing.ops.attend import attend_op
 from tqbatch.testing.ops.declaration import BadInput, Op, Rule
 
@@ -26,7 +27,7 @@ def _target(world, op):
         if shape[0] == world.numpy_model.batch_size
         else None
     )
-    keys, values = world.random_kv(op["kv_seed"], shape, op.get("scale", 1.0), padded)
+    keys, values = random_kv(op["kv_seed"], shape, op.get("scale", 1.0), padded)
     world.target.update_and_fetch(mx.array(keys), mx.array(values))
     return keys, values
 
