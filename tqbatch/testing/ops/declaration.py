@@ -79,7 +79,7 @@ class Op:
     name: str
     fields: str
     meaning: str
-    target: Callable[[Any, dict], Any] | None
+    target: Callable[[Any, dict], Any]
     oracles: Callable[[Any, dict, Any], Any] | None
     needs: tuple[str, ...] = ()
     validate: Callable[[Any, dict], None] | None = None

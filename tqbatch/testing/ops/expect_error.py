@@ -13,13 +13,28 @@ from tqbatch.testing.ops.declaration import Op, Rule
 from tqbatch.testing.reference import as_ints, to_numpy
 
 
-def _run(world, op, _):
+def _error_type(op) -> type[BaseException] | None:
+    exc_type = getattr(builtins, op["error"], None)
+    if isinstance(exc_type, type) and issubclass(exc_type, BaseException):
+        return exc_type
+    return None
+
+
+def _validate(world, op):
+    from tqbatch.testing.ops import OPS
+
+    if _error_type(op) is None:
+        raise ValueError(f"expect_error: {op['error']!r} is not a builtin exception type")
+    if op["inner"].get("op") not in OPS:
+        raise ValueError(f"expect_error: unknown inner op {op['inner'].get('op')!r}")
+
+
+def _run(world, op):
+    """The inner op's target phase between two snapshots of the target; settles the op's
+    failures itself (raises, or returns the expected error's name)."""
     from tqbatch.testing.ops import OPS, policy_cases
 
-    inner, expected = op["inner"], op["error"]
-    exc_type = getattr(builtins, expected, None)
-    if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
-        raise ValueError(f"expect_error: {expected!r} is not a builtin exception type")
+    inner, expected, exc_type = op["inner"], op["error"], _error_type(op)
     before = _read_snapshot(world, op)
     accepted = False
     with world.failures.collecting() as found:
@@ -126,8 +141,9 @@ OP = Op(
     name="expect_error",
     fields="`inner: op`, `error: str`",
     meaning="the inner op must raise that exception type and leave the target unchanged",
-    target=None,  # runs the inner op's target phase itself, between two snapshots
-    oracles=_run,
+    target=_run,
+    oracles=lambda world, op, expected: expected,  # the oracles never see a rejected op
+    validate=_validate,
     optional=(
         (
             "`case: str`",
