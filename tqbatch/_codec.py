@@ -14,8 +14,10 @@ bit-identical to mlx-vlm's and dequantized tokens equal
 (``tests/unit/test_codec.py``).
 
 ``covers(codec)`` is the one place that says what this module serves: mlx-vlm's
-MSE codec at integer bits 1-8, off Metal. Everything else stays on mlx-vlm's
-path: fractional bits' split codecs, and Metal, where mlx-vlm's fused kernels
+MSE codec at integer bits 1-8, wherever the work does not run on Metal
+(decided per call: ``tqbatch._devices``). Everything else stays on mlx-vlm's
+path: fractional bits' split codecs (with mlx-vlm's Metal gate closed where
+the work runs on the CPU), and the GPU on a Mac, where mlx-vlm's fused kernels
 serve (fast there, and possibly rounding otherwise than these ops).
 
 ``quantize_plain``, ``dequantize_plain`` and ``attend_plain`` are the same ops
@@ -32,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.turboquant import _EPS, TurboQuantMSEState, _TurboQuantMSECodec
 
+from tqbatch._devices import metal_kernels_here, mlx_vlm_follows_device
 from tqbatch._masks import CausalRows
 
 __all__ = [
@@ -50,12 +53,10 @@ __all__ = [
 # quantize/dequantize/attend take any codec and fall back to mlx-vlm's own
 # methods for the ones ``covers`` declines, so callers need no branch.
 
-_METAL = mx.metal.is_available()
-
 
 def covers(codec) -> bool:
-    """Whether ``codec`` is served here: an MSE codec at integer bits 1-8, off Metal."""
-    return not _METAL and servable(codec)
+    """Whether ``codec`` is served here now: an MSE codec at integer bits 1-8, off Metal."""
+    return servable(codec) and not metal_kernels_here()
 
 
 def servable(codec) -> bool:
@@ -167,7 +168,8 @@ def _codes(codec, rotated: mx.array) -> mx.array:
 def quantize(codec, vectors: mx.array):
     """``codec.quantize(vectors)``, bit for bit: float16 norms and packed codes."""
     if not covers(codec):
-        return codec.quantize(vectors)
+        with mlx_vlm_follows_device():
+            return codec.quantize(vectors)
     return quantize_plain(codec, vectors)
 
 
@@ -214,7 +216,8 @@ def _lookup_table(codec, unit) -> mx.array:
 def dequantize(codec, state) -> mx.array:
     """``codec.dequantize(state)``: float32 tokens, through the codec's inverse rotation."""
     if not covers(codec):
-        return codec.dequantize(state)
+        with mlx_vlm_follows_device():
+            return codec.dequantize(state)
     return dequantize_plain(codec, state)
 
 
@@ -242,8 +245,11 @@ def attend(
     ``"causal"``, a ``CausalRows`` (left-padded causal rows as numbers), or
     a boolean or additive array broadcastable to (B, Hq, L, T). Returns
     (B, Hq, L, Dv) in the queries' dtype, or None where the codecs or states
-    are not served here (the caller falls back).
+    are not served here (the caller falls back). A ``CausalRows`` mask for
+    another number of keys raises ValueError on either path.
     """
+    if isinstance(mask, CausalRows) and isinstance(keys, TurboQuantMSEState):
+        mask.check_keys(queries.shape[2], keys.norms.shape[2])
     if not (covers(key_codec) and covers(value_codec)):
         return None
     if not (isinstance(keys, TurboQuantMSEState) and isinstance(values, TurboQuantMSEState)):
@@ -274,11 +280,7 @@ def attend_plain(
             raise ValueError(f"attention mask {mask!r}: only 'causal' is a named mask")
         mask = mx.arange(T)[None] <= (mx.arange(L)[:, None] + (T - L))
     elif isinstance(mask, CausalRows):
-        if mask.offset + L != T:
-            raise ValueError(
-                f"causal rows from offset {mask.offset} cover {mask.offset + L} keys for "
-                f"{L} queries; the state holds {T}"
-            )
+        mask.check_keys(L, T)
         mask = mask.allowed(L)
     if mask is not None:
         mask = _grouped(mask, n_kv, group)

@@ -40,6 +40,14 @@ class CausalRows:
     # record of made masks): allowed() hands it out instead of rebuilding it.
     array: mx.array | None = field(default=None, compare=False, repr=False)
 
+    def check_keys(self, n_queries: int, n_keys: int) -> None:
+        """Raise ValueError unless these rows cover exactly ``n_keys`` keys for ``n_queries``."""
+        if self.offset + n_queries != n_keys:
+            raise ValueError(
+                f"causal rows from offset {self.offset} cover {self.offset + n_queries} keys "
+                f"for {n_queries} queries; the state holds {n_keys}"
+            )
+
     def allowed(self, n_queries: int) -> mx.array:
         """The boolean mask, broadcastable to (B, 1, n_queries, offset + n_queries)."""
         if self.array is not None and self.array.shape[-2:] == (

@@ -32,6 +32,7 @@ from mlx_vlm.turboquant import (
 )
 
 from tqbatch import _codec, _cuda_decode, _masks, _packed, _validate
+from tqbatch._devices import metal_kernels_here, mlx_vlm_follows_device
 
 __all__ = ["BatchTurboQuantKVCache", "BatchableTurboQuantKVCache"]
 
@@ -292,7 +293,10 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         fresh = self.key_codec is None
         self._ensure_codecs(keys, values)
         try:
-            new_keys, new_values = self._try_fused_kv_quantize(keys, values)
+            # mlx-vlm's fused key+value write is a Metal kernel: only where the work runs there.
+            new_keys = new_values = None
+            if metal_kernels_here():
+                new_keys, new_values = self._try_fused_kv_quantize(keys, values)
             if new_keys is None:
                 new_keys = _codec.quantize(self.key_codec, keys)
                 new_values = _codec.quantize(self.value_codec, values)
@@ -410,7 +414,8 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         if out is not None:
             return out
         mask = _mask_array(mask, queries.shape[-2])
-        return super().decode_attention(queries, keys_state, values_state, scale, mask)
+        with mlx_vlm_follows_device():
+            return super().decode_attention(queries, keys_state, values_state, scale, mask)
 
     def prefill_attention(self, queries, keys_state=None, values_state=None, scale=1.0, mask=None):
         mask = self._attention_mask(queries, keys_state, mask)
@@ -418,7 +423,8 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
         if out is not None:
             return out
         mask = _mask_array(mask, queries.shape[-2])
-        out = super().prefill_attention(queries, keys_state, values_state, scale, mask)
+        with mlx_vlm_follows_device():
+            out = super().prefill_attention(queries, keys_state, values_state, scale, mask)
         if out is not None:
             return out
         # mlx-vlm's own fallback (mlx_vlm.models.base.scaled_dot_product_attention

@@ -107,7 +107,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return ExitCode.USAGE
     try:
         backend.select_device(args.device)
-        args.backend = backend.check_backend()
+        # `tqbatch backend` runs the check itself, to report a failure too.
+        args.backend = None if getattr(args, "checks_backend", False) else backend.check_backend()
     except backend.BackendError as exc:
         print(f"tqbatch: {exc}", file=sys.stderr)
         return ExitCode.BACKEND

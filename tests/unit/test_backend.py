@@ -96,10 +96,10 @@ def _tqbatch(*args):
 def test_cli_reports_the_backend_and_records_the_precision_asked_for():
     default = _tqbatch("backend", "--json")
     assert default.returncode == 0, default.stderr
-    assert json.loads(default.stdout)["precision"] == "float32"
+    assert json.loads(default.stdout)["backend"]["precision"] == "float32"
     tf32 = _tqbatch("backend", "--json", "--precision", "tf32")
     assert tf32.returncode == 0, tf32.stderr
-    info = json.loads(tf32.stdout)
+    info = json.loads(tf32.stdout)["backend"]
     assert info["precision"] == "tf32"
     # Measured, not assumed: the CPU has no TF32, GPUs of CUDA / M5 have.
     assert info["matmul_precision"] in ("float32", "tf32")

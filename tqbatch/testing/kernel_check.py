@@ -29,6 +29,7 @@ where Metal is present.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,7 +39,17 @@ from mlx_vlm.turboquant import TurboQuantKVCache, TurboQuantMSEState, _TurboQuan
 
 from tqbatch import _codec
 
-__all__ = ["CASES", "METAL", "PLAIN", "Case", "CodecPath", "far_from_midpoints", "problems"]
+__all__ = [
+    "CASES",
+    "METAL",
+    "PLAIN",
+    "Case",
+    "CaseResult",
+    "CodecPath",
+    "far_from_midpoints",
+    "problems",
+    "run",
+]
 
 BITS = 4
 SEED = 0
@@ -408,19 +419,40 @@ def _case_problems(case: Case, kernel: CodecPath, plain: CodecPath, precision: s
     return [f"{case}: {p}" for p in _output_problems(got, reference, tol)]
 
 
+@dataclass(frozen=True)
+class CaseResult:
+    """One case's outcome: what went wrong (nothing: it passed) and how long it took."""
+
+    case: Case
+    problems: tuple[str, ...]
+    seconds: float
+
+
+def run(
+    kernel: CodecPath,
+    plain: CodecPath,
+    cases: Sequence[Case] = CASES,
+    precision: str = "float32",
+) -> list[CaseResult]:
+    """Each case of ``kernel`` against ``plain``, timed, in order.
+
+    ``precision``: the plain path's measured matmul precision (``float32`` or
+    ``tf32``), which sets the decode tolerance. Deterministic: each case draws
+    its inputs from a generator seeded by its position.
+    """
+    results = []
+    for seed, case in enumerate(cases):
+        start = time.perf_counter()
+        found = _case_problems(case, kernel, plain, precision, seed)
+        results.append(CaseResult(case, tuple(found), time.perf_counter() - start))
+    return results
+
+
 def problems(
     kernel: CodecPath,
     plain: CodecPath,
     cases: Sequence[Case] = CASES,
     precision: str = "float32",
 ) -> list[str]:
-    """Every case where ``kernel`` disagrees with ``plain``, raises or returns zeros, as sentences.
-
-    ``precision``: the plain path's measured matmul precision (``float32`` or
-    ``tf32``), which sets the decode tolerance. Deterministic: each case draws
-    its inputs from a generator seeded by its position.
-    """
-    found = []
-    for seed, case in enumerate(cases):
-        found += _case_problems(case, kernel, plain, precision, seed)
-    return found
+    """Every case where ``kernel`` disagrees with ``plain``, raises or returns zeros, as sentences."""
+    return [p for result in run(kernel, plain, cases, precision) for p in result.problems]
