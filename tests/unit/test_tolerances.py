@@ -17,7 +17,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch.testing.generation import POISON
 from tqbatch.testing.numpy_model import causal_mask
-from tqbatch.testing.tolerances import attention_tolerance, content_tolerance
+from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, fast_exp_error
 
 CASES = [(bits, d, t) for bits in (2.0, 4.0, 8.0) for d in (64, 128) for t in (1, 9, 60)]
 
@@ -98,3 +98,51 @@ def _attend(q, k, v, mask):
     s = np.where(mask[None], s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     return np.einsum("hnt,htd->hnd", p / p.sum(-1, keepdims=True), v)
+
+
+def _softmax_output(scores, values, relative_exp_error):
+    """Attention output with each exp(s_j - max) off by ``relative_exp_error[j]`` (relative)."""
+    x = scores - scores.max(axis=-1, keepdims=True)
+    weights = np.exp(x) * (1.0 + relative_exp_error)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("hnt,htd->hnd", weights, values)
+
+
+@pytest.mark.parametrize("query_scale", [1e-7, 1.0, 3.0])
+def test_metal_fast_math_exp_stays_inside_its_term(query_scale):
+    """exp off by its whole fast-math bound, signs set to move the output most.
+
+    The move stays inside the exp term alone (2 x one route's worst case), and
+    reaches about half of it (the other route's half): the term is sized by
+    the derivation, not hidden in the score or value terms' slack.
+    """
+    rng = np.random.default_rng(5)
+    d, t = 64, 40
+    q = rng.standard_normal((2, 1, d)) * query_scale
+    k = rng.standard_normal((2, t, d))
+    v = rng.standard_normal((2, t, d)) * 8.0
+    mask = np.ones((1, t), dtype=bool)
+    scale = d**-0.5
+    scores = scale * np.einsum("hnd,htd->hnt", q, k)
+    exact = _softmax_output(scores, v, 0.0)
+    bound = fast_exp_error(scores - scores.max(axis=-1, keepdims=True))
+    # Raise the weights of values above the output in coordinate 0, lower the rest.
+    sign = np.where(v[:, None, :, 0] > exact[:, :, None, 0], 1.0, -1.0)
+    moved = np.abs(_softmax_output(scores, v, sign * bound) - exact)[..., 0]
+    deviation = np.abs(v[:, None, :, 0] - exact[:, :, None, 0])
+    exp_term = 2.0 * np.einsum("hnt,hnt->hn", _weights(scores) * bound, deviation)
+    assert np.all(moved <= exp_term)
+    assert np.all(moved >= 0.4 * exp_term)
+    tol = attention_tolerance(q, k, v, mask, scale, precision="float32")[..., 0]
+    assert np.all(moved <= tol)
+
+
+def test_fast_exp_error_follows_the_metal_specification():
+    """3 ulp at 0, 3 + floor(|2x|) ulp elsewhere, nothing for a masked (-inf) argument."""
+    got = fast_exp_error(np.array([0.0, -0.4, -0.5, -10.25, -np.inf]))
+    assert np.array_equal(got / 2.0**-23, [3.0, 3.0, 4.0, 23.0, 0.0])
+
+
+def _weights(scores):
+    w = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return w / w.sum(axis=-1, keepdims=True)

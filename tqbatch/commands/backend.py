@@ -92,7 +92,8 @@ def markdown(report: dict) -> str:
         f"| float32 matmuls at | {md_cell(info.get('matmul_precision', '-'))} |",
         f"| memory | {md_cell(_gib(memory.get('memory_size')))} |",
         f"| working set | {md_cell(_gib(memory.get('max_recommended_working_set_size')))} |",
-        f"| lane | {md_cell(lane.get('lane', '-'))} (mlx-vlm: {md_cell(lane.get('mlx_vlm_metal'))}) |",
+        f"| lane | {md_cell(lane.get('lane', '-'))} |",
+        f"| mlx-vlm | {md_cell(lane.get('mlx_vlm_metal', '-'))} |",
         f"| kernels | {md_cell(info.get('kernels', '-'))} |",
         f"| kernels launched | {md_cell(_launches(lane.get('kernels_launched') or {}))} |",
     ]

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import re
+import sys
 from importlib import metadata
 
 from tqbatch.testing import lane
@@ -218,8 +218,12 @@ def _kernel_problems() -> list[str]:
         results = kernel_check.run(kernel_check.METAL, kernel_check.PLAIN, precision=precision)
         problems = [p for r in results for p in r.problems]
     record["cases"] = [
-        {"case": str(r.case), "passed": not r.problems, "problems": list(r.problems),
-         "seconds": round(r.seconds, 4)}
+        {
+            "case": str(r.case),
+            "passed": not r.problems,
+            "problems": list(r.problems),
+            "seconds": round(r.seconds, 4),
+        }
         for r in results
     ]
     record["passed"] = not problems

@@ -454,5 +454,5 @@ def problems(
     cases: Sequence[Case] = CASES,
     precision: str = "float32",
 ) -> list[str]:
-    """Every case where ``kernel`` disagrees with ``plain``, raises or returns zeros, as sentences."""
+    """Every case where ``kernel`` disagrees with ``plain``, raises or returns zeros (sentences)."""
     return [p for result in run(kernel, plain, cases, precision) for p in result.problems]

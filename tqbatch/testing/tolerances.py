@@ -47,6 +47,7 @@ __all__ = [
     "attention_tolerance",
     "content_tolerance",
     "excess_ratios",
+    "fast_exp_error",
     "inner_product_error",
 ]
 
@@ -120,6 +121,18 @@ def attention_tolerance(
     basis, whose per-coordinate error is bounded by the vector's 2-norm (as
     in :func:`content_tolerance`).
 
+    Metal compiles kernels with fast math, whose single-precision ``exp(x)``
+    is specified to ``3 + floor(|2x|)`` ulp (Metal Shading Language
+    Specification, "Accuracy of single-precision floating-point functions in
+    fast math mode"; the bound OpenCL gives ``exp`` under relaxed math), not
+    the CPU's ~1 ulp. mlx-vlm's decode kernels compute softmax weights with
+    it, at ``x_j = s_j - max_l s_l <= 0``: weight ``p_j`` is off by at most
+    ``ε_j = (3 + 2|x_j|)·2**-23`` relative (one ulp of a float32 is at most
+    ``2**-23`` of it), and after normalising the output moves by at most
+    ``Σ_j p_j·ε_j·|v_j - o|`` (first order, as for score errors). Either
+    route may be Metal's, hence 2x; the term is always included, so a verdict
+    does not depend on the machine (it is ~1e-6 of the spread elsewhere).
+
     In numbers (unit-normal operands, D = 64, T = 30): ~3e-4 at float32,
     ~1e-1 at TF32. At TF32 this check resolves gross errors only (attending
     a 16x padding slot moves outputs by >1); the content check above still
@@ -150,9 +163,24 @@ def attention_tolerance(
     score_err = 2.0 * 3.0 * e_d * scale * q_norm[..., None] * k_norm[:, None, :]
     max_score_err = np.max(np.where(allowed, score_err, 0.0), axis=-1)[..., None]  # (Hq, N, 1)
 
-    spread = np.einsum("hnt,hntd->hnd", weights, np.abs(v[:, None] - out[:, :, None]))
+    deviation = np.abs(v[:, None] - out[:, :, None])  # (Hq, N, T, D)
+    spread = np.einsum("hnt,hntd->hnd", weights, deviation)
     magnitude = np.einsum("hnt,ht->hn", weights, np.linalg.norm(v, axis=-1))[..., None]
-    return 2.0 * max_score_err * spread + 2.0 * (e_t + e_d) * magnitude
+    exp_err = np.where(allowed, fast_exp_error(scores - top), 0.0)  # (Hq, N, T)
+    exp_spread = np.einsum("hnt,hntd->hnd", weights * exp_err, deviation)
+    return 2.0 * max_score_err * spread + 2.0 * (e_t + e_d) * magnitude + 2.0 * exp_spread
+
+
+def fast_exp_error(x: np.ndarray) -> np.ndarray:
+    """Relative error bound of Metal's fast-math float32 ``exp(x)``: ``(3 + floor(|2x|))`` ulp.
+
+    An ulp of a float32 is at most ``2**-23`` of its value. Masked arguments
+    (``-inf``) get 0: their weight is exactly 0 on every route.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    finite = np.isfinite(x)
+    ulps = 3.0 + np.floor(np.abs(2.0 * np.where(finite, x, 0.0)))
+    return np.where(finite, ulps * 2.0**-23, 0.0)
 
 
 def excess_ratios(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> np.ndarray:
