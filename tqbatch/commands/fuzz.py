@@ -33,6 +33,10 @@ was replayed, as ``--replay-only`` with nothing saved for the target (a CI
 lane decides whether that is acceptable, e.g. before the first nightly has
 saved anything) or shards that never ran. Under GitHub Actions the summary
 and the failures are also appended to ``$GITHUB_STEP_SUMMARY``.
+
+A ``--database`` URL's password is used to open it and shown nowhere: not in
+the output, the job summary, the JUnit XML nor the saved scenarios, where the
+URL is written as ``redact_url`` writes it (``redis://:****@HOST:PORT/DB``).
 """
 
 from __future__ import annotations
@@ -119,7 +123,13 @@ def run(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tqbatch.commands import _gate
-    from tqbatch.testing.databases import DatabaseSpecError, check_database, open_database
+    from tqbatch.testing.databases import (
+        DatabaseSpecError,
+        check_database,
+        open_database,
+        redact_text,
+        redact_url,
+    )
     from tqbatch.testing.impl import (
         impl_spec,
         load_impl,
@@ -147,7 +157,9 @@ def run(args) -> int:
             database = open_database(args.database, local=args.database_local)
             check_database(database, args.database)
     except DatabaseSpecError as exc:  # one line, as tqbatch.cli reports a bad --impl
-        print(f"tqbatch fuzz: {exc}", file=sys.stderr)
+        # open_database's messages redact the URL already: this catches one that does not.
+        why = redact_text(str(exc), args.database) if args.database else exc
+        print(f"tqbatch fuzz: {why}", file=sys.stderr)
         return ExitCode.USAGE
     try:
         known = _gate.load_known_failures(args.known_failures)
@@ -194,6 +206,10 @@ def run(args) -> int:
         "database_local": args.database_local,
         "replay_only": args.replay_only,
     }
+    # What is shown and saved of the run: the options with no password. The
+    # shards get ``options`` itself, as each opens the database again.
+    shown_database = redact_url(args.database) if args.database else args.database
+    shown = dict(options, database=shown_database)
 
     verb = "replaying" if args.replay_only else "surveying" if args.survey else "fuzzing"
     with Progress(
@@ -214,10 +230,10 @@ def run(args) -> int:
                 lambda r: progress.update(task, completed=r.examples),
                 database=database,
             )
-    _print_summary(result, target, args.backend, missing, args.database, configurations)
+    _print_summary(result, target, args.backend, missing, shown_database, configurations)
     from tqbatch.testing.campaign import save_failures
 
-    paths = save_failures(result, args.out, backend=args.backend, options=options)
+    paths = save_failures(result, args.out, backend=args.backend, options=shown)
     verdict = None
     if args.survey:
         _print_survey(result, paths)
@@ -241,14 +257,14 @@ def run(args) -> int:
             args.junit_xml,
             target=target,
             paths=paths,
-            options=options,
+            options=shown,
             nothing_checked=nothing_checked,
         )
         console.print(f"JUnit XML report: {args.junit_xml}")
     if nothing_checked:
         if args.replay_only:
             console.print(
-                f"nothing was checked: {args.database} holds no saved example of {target} "
+                f"nothing was checked: {shown_database} holds no saved example of {target} "
                 "(with these switches)"
             )
         else:
@@ -258,7 +274,7 @@ def run(args) -> int:
         code = ExitCode.OK if verdict.passes(args.strict_known_failures) else ExitCode.DEFECT
     else:
         code = ExitCode.DEFECT if result.failures else ExitCode.OK
-    step_summary(_markdown(result, target, args.backend, paths, args.database, code, verdict))
+    step_summary(_markdown(result, target, args.backend, paths, shown_database, code, verdict))
     return code
 
 

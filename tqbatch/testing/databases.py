@@ -18,12 +18,18 @@ one of Hypothesis's own databases:
   this run finds. The artifact is read with ``$GITHUB_TOKEN``.
 
 A bad spec raises ``DatabaseSpecError`` (one line, for the CLI's usage error).
+
+A spec may carry a password (``redis://:PASSWORD@HOST:PORT/DB``). It is
+opened as given, but shown only as ``redact_url`` writes it
+(``redis://:****@HOST:PORT/DB``), and a message that may quote it (another
+library's error) goes through ``redact_text`` first.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from hypothesis.database import (
     DirectoryBasedExampleDatabase,
@@ -39,6 +45,8 @@ __all__ = [
     "DatabaseSpecError",
     "check_database",
     "open_database",
+    "redact_text",
+    "redact_url",
 ]
 
 DEFAULT_LOCAL = ".hypothesis/examples"  # where Hypothesis keeps its own local database
@@ -56,6 +64,72 @@ _PROBE_KEY = b"tqbatch.testing.databases: can this database be read?"
 
 class DatabaseSpecError(ValueError):
     """A ``--database`` spec that names no usable example database."""
+
+
+MASK = "****"  # what a credential is shown as, as pip shows one
+# A query parameter whose value is a credential: redis-py takes ``?password=``
+# as the server's password, as it takes the one before the ``@``.
+_SECRET_PARAM = re.compile(r"(?i)([?&](?:password|passwd|token|secret)=)([^&#]*)")
+# Where a URL parser may cut a credential that holds one of these (a "/" in a
+# password ends the host early): a message may quote any piece of it.
+_CUTS = re.compile(r"[:/?#@]")
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown: its password replaced by ``****``, as pip shows URLs.
+
+    ``redis://:PW@host:6379/0`` is shown as ``redis://:****@host:6379/0`` and
+    ``redis://user:PW@host/0`` as ``redis://user:****@host/0``; the value of a
+    ``password=`` (or ``passwd``, ``token``, ``secret``) query parameter is
+    masked too. A URL without a password (``redis://host/0``, and
+    ``redis://user@host/0``: a username alone is kept), a directory and
+    ``github:OWNER/REPO`` come back unchanged. Where the credentials of a URL
+    do not end where a parser says its host begins (an ``@`` after the host,
+    as a ``/`` in a password makes), everything between ``://`` and the last
+    ``@`` is masked. Never raises.
+    """
+    return _redaction(url)[0]
+
+
+def redact_text(text: str, url: str) -> str:
+    """``text`` (a message that may quote ``url``) with no credential of ``url`` left in it.
+
+    ``url`` itself becomes ``redact_url(url)``; a credential of it, whole,
+    percent-decoded or any piece a parser may have cut it into (redis-py says
+    "Port could not be cast to integer value as 'pa'" for a password
+    ``pa/ss``), becomes ``****``. Masking a short piece may mask more of the
+    text than the credential: what is shown may be less, never a secret.
+    """
+    redacted, secrets = _redaction(url)
+    text = text.replace(url, redacted)
+    pieces = {piece for s in secrets for piece in (s, unquote(s), *_CUTS.split(s)) if piece}
+    for piece in sorted(pieces, key=len, reverse=True):  # a whole secret before its pieces
+        text = text.replace(piece, MASK)
+    return text
+
+
+def _redaction(url: str) -> tuple[str, list[str]]:
+    """``redact_url(url)``, and the credentials it masked (for ``redact_text``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url, []
+    secrets = [m[2] for m in _SECRET_PARAM.finditer(rest) if m[2]]
+    rest = _SECRET_PARAM.sub(lambda m: m[1] + MASK, rest)
+    if "@" not in rest:
+        return f"{scheme}://{rest}", secrets
+    try:
+        netloc = urlsplit(f"{scheme}://{rest}").netloc
+    except ValueError:  # an unclosed "[" of an IPv6 host: no netloc to trust
+        netloc = None
+    if netloc is None or not rest.startswith(netloc) or "@" in rest[len(netloc) :]:
+        # The parser ended the host before an "@": all of it may be a password.
+        userinfo, _, after = rest.rpartition("@")
+        return f"{scheme}://{MASK}@{after}", [*secrets, userinfo]
+    userinfo = netloc.rpartition("@")[0]
+    user, colon, password = userinfo.partition(":")
+    if not colon:
+        return f"{scheme}://{rest}", secrets
+    return f"{scheme}://{user}:{MASK}{rest[len(userinfo) :]}", [*secrets, password]
 
 
 def open_database(spec: str, *, local: str | Path | None = None) -> ExampleDatabase:
@@ -76,7 +150,7 @@ def open_database(spec: str, *, local: str | Path | None = None) -> ExampleDatab
         return _redis(spec)
     if scheme is not None:
         raise DatabaseSpecError(
-            f"unknown database scheme {scheme}:// in {spec!r} "
+            f"unknown database scheme {scheme}:// in {redact_url(spec)!r} "
             "(a directory, redis://HOST:PORT/DB or github:OWNER/REPO[/ARTIFACT])"
         )
     return _directory(spec)
@@ -96,7 +170,17 @@ def check_database(db: ExampleDatabase, spec: str) -> None:
         for _ in db.fetch(_PROBE_KEY):
             pass
     except Exception as exc:  # noqa: BLE001 - redis raises many kinds; one line for the user
-        raise DatabaseSpecError(f"cannot read the database {spec}: {exc}") from exc
+        raise _error(f"cannot read the database {redact_url(spec)}", exc, spec) from None
+
+
+def _error(what: str, exc: Exception, spec: str) -> DatabaseSpecError:
+    """``what`` went wrong, and why as ``exc`` says it, with no credential of ``spec``.
+
+    Raised ``from None``: a traceback would also print ``exc`` itself, whose
+    message may quote the password; this one has its type and its message
+    redacted.
+    """
+    return DatabaseSpecError(f"{what}: {type(exc).__name__}: {redact_text(str(exc), spec)}")
 
 
 def _directory(spec: str) -> ExampleDatabase:
@@ -112,12 +196,12 @@ def _redis(spec: str) -> ExampleDatabase:
         from hypothesis.extra.redis import RedisExampleDatabase
     except ImportError as exc:
         raise DatabaseSpecError(
-            f"--database {spec} needs the redis package: pip install 'tqbatch[redis]'"
+            f"--database {redact_url(spec)} needs the redis package: pip install 'tqbatch[redis]'"
         ) from exc
     try:
         client = redis.Redis.from_url(spec)
     except ValueError as exc:  # redis-py's message for a malformed URL
-        raise DatabaseSpecError(f"bad Redis URL {spec!r}: {exc}") from exc
+        raise _error(f"bad Redis URL {redact_url(spec)!r}", exc, spec) from None
     return RedisExampleDatabase(client)
 
 

@@ -89,6 +89,11 @@ def run_shards(options: dict, progress_update: Callable[[int], None]) -> Campaig
         output = proc.stdout.read().decode(errors="replace")
         total = _collect(tmp)
         if total.examples == 0 and proc.returncode not in (0, 1):
+            if options.get("database"):
+                # pytest's tracebacks show arguments: the database URL among them.
+                from tqbatch.testing.databases import redact_text
+
+                output = redact_text(output, options["database"])
             raise RuntimeError(f"pytest-xdist shards did not run:\n{output}")
         return total
 
