@@ -25,6 +25,24 @@ Any other action fails the step, saying so. Exit status: 0 when the job
 succeeded (or its ``if:`` skipped it), 1 when a step failed, 2 on a usage error
 (unknown job, a matrix cell that does not exist, a job not for Linux).
 
+The runner is Linux: ``runner.os`` is ``Linux`` (``RUNNER_OS`` too), so a step
+under ``if: runner.os == 'macOS'`` is skipped and one under
+``if: runner.os == 'Linux'`` runs. A job installs what its tests use itself
+(``sudo apt-get install -y redis-server``), as on GitHub. Where this runs as
+root (the build machines do, and may have no ``sudo``), a ``sudo`` shim comes
+before the machine's directories on the steps' ``PATH``: it drops sudo's own
+options (``-E``, ``-H``, ``-n``, ``-u root``, ...), runs the command, and
+refuses to run as another user. Not root, the machine's own ``sudo`` is used.
+
+What a job still takes from this machine instead of installing it (GitHub's
+images have each too): ``bash``, coreutils and ``git`` (a clone is the
+checkout; the runner's tests ``git init``); the Python interpreters
+``setup-python`` would download, found on ``PATH`` or in pyenv's versions
+instead (``--find-python`` says where); ``apt-get`` with a Debian or Ubuntu
+package registry, and PyPI. Nothing else: ``nox``, the project and its test
+tools are installed by the workflow's steps (``pip install``), Redis by its
+install step.
+
 Only PyYAML is needed beyond the standard library, so this runs before the
 project is installed. ``nox_commands`` lists the ``nox`` invocations of a
 workflow for each matrix cell (``tests/unit/test_workflows.py`` checks each
@@ -60,6 +78,8 @@ __all__ = [
     "load_workflow",
     "matrix_cells",
     "nox_commands",
+    "running_as_root",
+    "write_sudo_shim",
 ]
 
 # ---------------------------------------------------------------- workflows
@@ -217,6 +237,7 @@ class _Runner:
         }
         self.env: dict[str, str] = {}  # what steps have added through GITHUB_ENV
         self.path: list[str] = []  # what steps have added through GITHUB_PATH
+        self.shims = write_sudo_shim(Path(self.temp) / "shims") if running_as_root() else None
         self.summary = Path(self.temp) / "step_summary.md"
         self.summary.touch()
         self.failed = False
@@ -293,7 +314,10 @@ class _Runner:
         step_env = interpolate(step.get("env") or {}, self.context)
         env = {**os.environ, **self.base_env(), **self.context["env"], **self.env}
         env.update({k: to_string(v) for k, v in step_env.items()})
-        env["PATH"] = os.pathsep.join([*reversed(self.path), env.get("PATH", "")])
+        # The sudo shim before the machine's PATH (whose sudo, if any, is not needed
+        # by root), after what steps added, as GitHub's runner puts those first.
+        shims = [str(self.shims)] if self.shims else []
+        env["PATH"] = os.pathsep.join([*reversed(self.path), *shims, env.get("PATH", "")])
         return env
 
     def step(self, step: dict, deadline: float) -> bool:
@@ -396,6 +420,50 @@ class _Runner:
             shutil.copytree(source, target, dirs_exist_ok=True)
             print(f"download-artifact: {source.name} to {target}")
         return True
+
+
+# sudo for steps run as root: GitHub's hosted runners run steps as a user with
+# passwordless sudo, so workflows write `sudo apt-get ...`; this machine runs them
+# as root, where sudo may not be installed and would change nothing but the
+# environment. Options that take a value are dropped with it.
+SUDO_SHIM = """#!/bin/sh
+# sudo, as scripts/run_workflow.py gives steps it runs as root: drops sudo's own
+# options and runs the command (VAR=value words first set the environment).
+while [ "$#" -gt 0 ]; do
+    case "$1" in
+        --) shift; break ;;
+        -u|--user)
+            if [ "$2" != root ] && [ "$2" != "#0" ]; then
+                echo "sudo (run_workflow shim): cannot run as user $2 here" >&2
+                exit 1
+            fi
+            shift 2 ;;
+        -g|--group|-U|--other-user|-C|--close-from|-D|--chdir) shift 2 ;;
+        -p|--prompt|-r|--role|-t|--type|-T|--command-timeout) shift 2 ;;
+        -*) shift ;;
+        *) break ;;
+    esac
+done
+if [ "$#" -eq 0 ]; then
+    echo "usage: sudo [options] command (run_workflow shim)" >&2
+    exit 1
+fi
+exec env "$@"
+"""
+
+
+def running_as_root() -> bool:
+    """Whether steps run as root here (where they get the ``sudo`` shim)."""
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def write_sudo_shim(directory: Path) -> Path:
+    """``directory`` holding an executable ``sudo`` (``SUDO_SHIM``), for the steps' PATH."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shim = directory / "sudo"
+    shim.write_text(SUDO_SHIM)
+    shim.chmod(0o755)
+    return directory
 
 
 def find_python(version: str) -> str | None:

@@ -41,3 +41,19 @@ def test_the_example_workflow_runs_the_readmes_plugin_command():
     uploaded = next(s for s in steps if s.get("uses", "").startswith("actions/upload-artifact"))
     assert "tqbatch-failures/" in uploaded["with"]["path"]
     assert "tqbatch-junit.xml" in uploaded["with"]["path"]
+
+
+def test_the_macos_lane_runs_the_linux_jobs_steps_on_a_current_mac():
+    jobs = load_workflow(WORKFLOW)["jobs"]
+    linux, macos = jobs["conformance"], jobs["conformance-macos"]
+    assert macos["runs-on"] == "macos-15"
+    assert [s.get("run") for s in macos["steps"]] == [s.get("run") for s in linux["steps"]]
+    assert [s.get("uses") for s in macos["steps"]] == [s.get("uses") for s in linux["steps"]]
+    # Two jobs of one run cannot upload artifacts of the same name.
+    names = [
+        s["with"]["name"]
+        for job in (linux, macos)
+        for s in job["steps"]
+        if s.get("uses", "").startswith("actions/upload-artifact")
+    ]
+    assert len(set(names)) == 2

@@ -3,7 +3,8 @@
 ``.ci/run`` trusts it to run ``ci.yml``'s test job as written, so what it
 must get right is tested here on small workflows: expressions, ``if:`` and
 status functions, ``GITHUB_ENV``/``GITHUB_PATH`` between steps, matrix cells,
-``setup-python``, artifacts, and its exit status.
+``setup-python``, artifacts, its exit status, ``runner.os`` (Linux) and the
+``sudo`` shim through which a job's own install steps run as root.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def test_steps_see_github_env_path_matrix_and_status(checkout):
             runs-on: ${{{{ matrix.os }}}}
             strategy:
               matrix:
-                os: [ubuntu-24.04, macos-14]
+                os: [ubuntu-24.04, macos-15]
                 python: ["{RUNNING}"]
             env:
               FROM_JOB: j
@@ -201,13 +202,13 @@ def test_usage_errors(checkout):
             runs-on: ${{ matrix.os }}
             strategy:
               matrix:
-                os: [ubuntu-24.04, macos-14]
+                os: [ubuntu-24.04, macos-15]
             steps:
               - run: "true"
         """
     assert _run(checkout, workflow, "--matrix", "os=windows") == 2  # no such cell
     assert _run(checkout, workflow) == 2  # two cells match: which one?
-    assert _run(checkout, workflow, "--matrix", "os=macos-14") == 2  # not a Linux runner
+    assert _run(checkout, workflow, "--matrix", "os=macos-15") == 2  # not a Linux runner
     assert run_workflow.main([str(checkout / "wf.yml"), "nosuchjob"]) == 2
 
 
@@ -251,3 +252,72 @@ def test_a_skipped_job(checkout):
         """
     assert _run(checkout, workflow) == 0
     assert not (checkout / "reached.txt").exists()
+
+
+def test_steps_for_another_os_are_skipped_and_linux_ones_run(checkout):
+    workflow = """
+        on: push
+        jobs:
+          job:
+            runs-on: ubuntu-24.04
+            steps:
+              - if: runner.os == 'macOS'
+                run: echo no > macos.txt
+              - if: runner.os == 'Linux'
+                run: echo "$RUNNER_OS" > linux.txt
+              - if: ${{ runner.os != 'Windows' && !cancelled() }}
+                run: echo yes > not-windows.txt
+        """
+    assert _run(checkout, workflow) == 0
+    assert not (checkout / "macos.txt").exists()
+    assert (checkout / "linux.txt").read_text() == "Linux\n"
+    assert (checkout / "not-windows.txt").exists()
+
+
+@pytest.fixture
+def as_root(monkeypatch):
+    """Steps run as they do on the build machines: as root, so with the sudo shim."""
+    monkeypatch.setattr(run_workflow, "running_as_root", lambda: True)
+
+
+def test_a_step_runs_sudo_through_the_shim_as_root(checkout, as_root):
+    workflow = """
+        on: push
+        jobs:
+          job:
+            runs-on: ubuntu-24.04
+            env:
+              FROM_JOB: j
+            steps:
+              - run: |
+                  command -v sudo > which-sudo.txt
+                  sudo -E -H -n -u root WORDS="a b" sh -c 'echo "$WORDS $FROM_JOB" > sudo.txt'
+                  sudo --preserve-env=FROM_JOB -- sh -c 'echo "$FROM_JOB" > dashdash.txt'
+        """
+    assert _run(checkout, workflow) == 0
+    # The runner's own sudo, in its temporary directory, whatever this machine has.
+    assert "runner-temp-" in (checkout / "which-sudo.txt").read_text()
+    assert (checkout / "sudo.txt").read_text() == "a b j\n"
+    assert (checkout / "dashdash.txt").read_text() == "j\n"
+
+
+def test_the_shim_refuses_another_user_and_passes_exit_codes(tmp_path):
+    shim = run_workflow.write_sudo_shim(tmp_path) / "sudo"
+    other = subprocess.run([shim, "-u", "nobody", "true"], capture_output=True, text=True)
+    assert other.returncode == 1 and "cannot run as user nobody" in other.stderr
+    assert subprocess.run([shim, "sh", "-c", "exit 7"]).returncode == 7
+    assert subprocess.run([shim, "-E"], capture_output=True).returncode == 1  # no command
+
+
+def test_no_shim_when_not_root(checkout, monkeypatch):
+    monkeypatch.setattr(run_workflow, "running_as_root", lambda: False)
+    workflow = """
+        on: push
+        jobs:
+          job:
+            runs-on: ubuntu-24.04
+            steps:
+              - run: (command -v sudo || echo none) > which-sudo.txt
+        """
+    assert _run(checkout, workflow) == 0
+    assert "runner-temp-" not in (checkout / "which-sudo.txt").read_text()
