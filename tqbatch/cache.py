@@ -944,10 +944,30 @@ class BatchableTurboQuantKVCache(TurboQuantKVCache):
     mlx-lm's ``BatchGenerator`` batches per-request caches by calling
     ``caches[0][layer].merge(...)`` (``mlx_lm.generate._merge_caches``), as
     ``KVCache.merge`` builds a ``BatchKVCache``. mlx-vlm's class has no
-    ``merge``; everything else (quantization, attention) is the parent's.
-    Use it as a model's ``make_cache()`` entry to run ``BatchGenerator`` on
-    tqbatch; ``BatchTurboQuantKVCache.extract`` returns it.
+    ``merge``; everything else (quantization, attention) is the parent's,
+    run where the work runs: mlx-vlm launches its Metal kernels without a
+    stream, which MLX 0.32 sends to the GPU whatever the default device, so
+    each step that may launch one runs with mlx-vlm's gate following the
+    device (``tqbatch._devices``). Use it as a model's ``make_cache()`` entry
+    to run ``BatchGenerator`` on tqbatch; ``BatchTurboQuantKVCache.extract``
+    returns it.
     """
+
+    def update_and_fetch(self, keys, values):
+        with mlx_vlm_follows_device():
+            return super().update_and_fetch(keys, values)
+
+    def dequantize(self, *args, **kwargs):
+        with mlx_vlm_follows_device():
+            return super().dequantize(*args, **kwargs)
+
+    def decode_attention(self, *args, **kwargs):
+        with mlx_vlm_follows_device():
+            return super().decode_attention(*args, **kwargs)
+
+    def prefill_attention(self, *args, **kwargs):
+        with mlx_vlm_follows_device():
+            return super().prefill_attention(*args, **kwargs)
 
     @classmethod
     def merge(cls, caches) -> BatchTurboQuantKVCache:
