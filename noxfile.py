@@ -39,7 +39,11 @@ nox.options.download_python = "never"
 # (pyproject's markers pick the same for the tested ranges).
 MLX = "mlx" if sys.platform == "darwin" else "mlx[cpu]"
 LINT_PATHS = ["tqbatch", "tests", "scripts", "noxfile.py", "conftest.py"]
-WORKFLOWS = [".github/workflows/ci.yml", ".github/workflows/nightly.yml"]
+WORKFLOWS = [
+    ".github/workflows/ci.yml",
+    ".github/workflows/nightly.yml",
+    "examples/conformance-workflow.yml",
+]
 # The golden scenarios: package data, so that an installed tqbatch replays them.
 GOLDEN = "tqbatch/testing/golden"
 

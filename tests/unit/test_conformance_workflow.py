@@ -43,12 +43,23 @@ def test_the_example_workflow_runs_the_readmes_plugin_command():
     assert "tqbatch-junit.xml" in uploaded["with"]["path"]
 
 
-def test_the_macos_lane_runs_the_linux_jobs_steps_on_a_current_mac():
+def test_the_macos_lane_runs_the_linux_jobs_steps_on_a_current_mac_after_a_device_choice():
     jobs = load_workflow(WORKFLOW)["jobs"]
     linux, macos = jobs["conformance"], jobs["conformance-macos"]
     assert macos["runs-on"] == "macos-15"
-    assert [s.get("run") for s in macos["steps"]] == [s.get("run") for s in linux["steps"]]
-    assert [s.get("uses") for s in macos["steps"]] == [s.get("uses") for s in linux["steps"]]
+    assert "continue-on-error" not in macos  # a gate, like the Linux job
+    choice = [s for s in macos["steps"] if s.get("name", "").startswith("choose the device")]
+    (choice,) = choice
+    # The device choice as ci.yml makes it (tests/e2e/test_simulated_device_choice.py
+    # runs that one on simulated Macs), with the tqbatch the example installs.
+    ci = load_workflow(Path(__file__).resolve().parents[2] / ".github/workflows/ci.yml")
+    (ours,) = [s for s in ci["jobs"]["tests"]["steps"] if s.get("name") == choice["name"]]
+    assert choice["run"] == ours["run"].replace(".venv/bin/tqbatch", "tqbatch")
+    rest = [s for s in macos["steps"] if s is not choice]
+    assert [s.get("run") for s in rest] == [s.get("run") for s in linux["steps"]]
+    assert [s.get("uses") for s in rest] == [s.get("uses") for s in linux["steps"]]
+    uploaded = next(s for s in rest if s.get("uses", "").startswith("actions/upload-artifact"))
+    assert "backend-report/" in uploaded["with"]["path"]
     # Two jobs of one run cannot upload artifacts of the same name.
     names = [
         s["with"]["name"]
