@@ -110,3 +110,28 @@ def test_cli_refuses_a_device_the_build_lacks():
     run = _tqbatch("fuzz", "--examples", "1", "--device", "gpu")
     assert run.returncode == 3
     assert "no gpu backend" in run.stderr
+
+
+def test_the_backend_command_reports_what_it_saw(tmp_path):
+    """--report writes the check as JSON and the step summary gets it as a table."""
+    summary = tmp_path / "summary.md"
+    report = tmp_path / "reports" / "cpu.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TQBATCH_PRECISION", "MLX_ENABLE_TF32")}
+    env["GITHUB_STEP_SUMMARY"] = str(summary)
+    run = subprocess.run(
+        [sys.executable, "-m", "tqbatch", "backend", "--device", "cpu", "--report", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    saved = json.loads(report.read_text())
+    assert saved["passed"] is True and saved["failure"] is None
+    assert saved["backend"]["device"] == "cpu"
+    assert saved["backend"]["lane"]["lane"] == "cpu"
+    assert saved["backend"]["lane"]["kernels_launched"] == {}
+    assert "lane cpu" in run.stdout
+    table = summary.read_text()
+    assert "### tqbatch backend check on the cpu lane: passed" in table
+    assert "| kernels launched | none |" in table

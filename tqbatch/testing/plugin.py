@@ -51,7 +51,7 @@ from pathlib import Path
 
 import pytest
 
-from tqbatch.testing import backend
+from tqbatch.testing import backend, lane
 
 __all__ = [
     "CONFORMANCE",
@@ -453,6 +453,19 @@ def pytest_report_header(config: pytest.Config):
 
 
 # ---------------------------------------------------------------- summary
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """The lane the session ran on and the custom kernels it launched, counted by name."""
+    state = config.stash.get(_HARNESS, None)
+    if state is None or not state.backend:
+        return
+    info = lane.describe()
+    launched = ", ".join(f"{name} x{n}" for name, n in info["kernels_launched"].items())
+    terminalreporter.write_line(
+        f"tqbatch lane: {info['lane']} (mlx-vlm: {info['mlx_vlm_metal']}); custom kernels "
+        f"launched in this process: {launched or 'none'}"
+    )
 
 
 class _Summary:
