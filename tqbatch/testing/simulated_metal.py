@@ -25,7 +25,8 @@ What is simulated, while a :class:`SimulatedMetal` is installed:
   - ``zeros``: every output all zeros, as reported of paravirtual devices;
   - ``raise``: MLX's Metal backend's error for a pipeline state (or, with
     ``failure="library"``, a library) it could not build;
-  - ``flaky``: that error on the first launch of each kernel, then ``pass``;
+  - ``flaky``: that error on the process's first launch only, then ``pass``
+    (an occasional failed build, which a retry gets past);
   - ``absent``: ``mx.fast`` has no ``metal_kernel`` at all (nothing recorded);
   - ``refuse``: every launch raises ``RuntimeError("simulated Metal refused a
     kernel launch: NAME")``, for a run that must launch none.
@@ -72,6 +73,7 @@ __all__ = [
     "Launch",
     "SimulatedMetal",
     "install_from_environment",
+    "parse_specification",
     "read_launch_log",
 ]
 
@@ -147,7 +149,10 @@ class SimulatedMetal:
     ``flaky`` raise. ``default_device``: ``gpu`` or ``cpu`` to pretend at
     first; ``None`` is a Mac's default, the GPU, unless this process's lane
     (``tqbatch.testing.lane``) is the CPU. ``log``: a file each launch is
-    appended to at once, as one JSON line.
+    appended to at once, as one JSON line. ``counted``: whether the lane's
+    count of launched kernels (``lane.launched()``) includes this simulator's,
+    as it would a real Mac's; tests that play a Mac inside another run pass
+    False, so that run's report lists only its own launches.
 
     Use as a context manager, or :meth:`install` and :meth:`uninstall`. One at
     a time per process.
@@ -167,6 +172,7 @@ class SimulatedMetal:
         failure: str = "pipeline",
         default_device: str | None = None,
         log: str | os.PathLike | None = None,
+        counted: bool = True,
     ):
         for value, allowed, what in (
             (mode, MODES, "mode"),
@@ -190,6 +196,7 @@ class SimulatedMetal:
         self.log = os.fspath(log) if log is not None else None
         self.launches: list[Launch] = []
         self._initial_device = default_device
+        self._counted = counted
         self._default_is_gpu = True
         self._installed = False
         self._patched = False
@@ -260,6 +267,11 @@ class SimulatedMetal:
             return
         self._patched = True
         self._default_is_gpu = self._starts_on_gpu()
+        self._pretend_a_gpu(mx)
+        self._patch(mx.fast, "metal_kernel", self._factory(mx))
+
+    def _pretend_a_gpu(self, mx) -> None:
+        """Metal present, the GPU available, a pretended default device, a Mac's device info."""
         real_is_available = mx.is_available
         real_set_default_device = mx.set_default_device
         real_default_device = mx.default_device
@@ -296,7 +308,6 @@ class SimulatedMetal:
         self._patch(mx, "device_info", device_info)
         if hasattr(mx.metal, "device_info"):
             self._patch(mx.metal, "device_info", lambda: dict(self.device_info))
-        self._patch(mx.fast, "metal_kernel", self._factory(mx))
 
     def _starts_on_gpu(self) -> bool:
         if self._initial_device is not None:
@@ -326,7 +337,7 @@ class SimulatedMetal:
             return SimulatedKernel(self, str(name), list(input_names), list(output_names), source)
 
         current = getattr(mx.fast, "metal_kernel", None)
-        if getattr(current, "_tqbatch_counted", False):
+        if self._counted and getattr(current, "_tqbatch_counted", False):
             # The lane counts launches by wrapping the factory (tqbatch.testing.lane):
             # where it wrapped the real one first, keep counting through ours.
             return type(current)(metal_kernel)
@@ -349,18 +360,19 @@ class SimulatedMetal:
         import mlx.core as mx
 
         inputs = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
+        device = self._device_for(stream)
         if not self._installed:
-            self._record(kernel.name, "gpu", "uninstalled")
+            self._record(kernel.name, device, "uninstalled")
             raise RuntimeError(
                 f"simulated Metal kernel {kernel.name} launched after its simulator was "
                 "uninstalled (a kernel cached across the simulator's lifetime)"
             )
+        # In MLX's order: the argument checks, then the stream, then the build.
         try:
             kernel.check_sizes(inputs, output_shapes, output_dtypes)
         except ValueError:
-            self._record(kernel.name, "gpu", "invalid")
+            self._record(kernel.name, device, "invalid")
             raise
-        device = self._device_for(stream)
         if self.mode == "refuse":
             self._record(kernel.name, device, "refused")
             raise RuntimeError(f"simulated Metal refused a kernel launch: {kernel.name}")
@@ -396,8 +408,9 @@ class SimulatedMetal:
         return "gpu" if self._default_is_gpu else "cpu"
 
     def _first_build(self, name: str) -> bool:
+        """Whether this is the process's first build: the one ``flaky`` fails."""
         with self._lock:
-            first = name not in self._built
+            first = not self._built
             self._built.add(name)
         return first
 
