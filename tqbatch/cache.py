@@ -287,19 +287,22 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             self.value_codec.dim if self.value_codec is not None else None,
         )
 
+    def _quantize(self, keys: mx.array, values: mx.array):
+        """The packed states of (B, H, T, D) keys and values, as a write stores them."""
+        # mlx-vlm's fused key+value write is a Metal kernel: only where the work runs there.
+        if metal_kernels_here():
+            new_keys, new_values = self._try_fused_kv_quantize(keys, values)
+            if new_keys is not None:
+                return new_keys, new_values
+        return _codec.quantize(self.key_codec, keys), _codec.quantize(self.value_codec, values)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append ``T`` tokens to every row at the written end; return all written slots."""
         self._check_kv(keys, values)
         fresh = self.key_codec is None
         self._ensure_codecs(keys, values)
         try:
-            # mlx-vlm's fused key+value write is a Metal kernel: only where the work runs there.
-            new_keys = new_values = None
-            if metal_kernels_here():
-                new_keys, new_values = self._try_fused_kv_quantize(keys, values)
-            if new_keys is None:
-                new_keys = _codec.quantize(self.key_codec, keys)
-                new_values = _codec.quantize(self.value_codec, values)
+            new_keys, new_values = self._quantize(keys, values)
         except BaseException:
             if fresh:  # a failed first write leaves no codecs behind
                 self.key_codec = self.value_codec = None

@@ -111,7 +111,7 @@ class FlipsOneCode(tqbatch.BatchTurboQuantKVCache):
     centroids.
     """
 
-    def _try_fused_kv_quantize(self, keys, values):
+    def _quantize(self, keys, values):
         new_keys = self.key_codec.quantize(keys)
         flip = np.zeros(new_keys.indices.shape, dtype=np.uint32)
         flip[0, 0, -1, 0] = 1
