@@ -33,8 +33,10 @@ harness's mlx-vlm caches included (``tqbatch.testing.lane``), so the kernel
 check has nothing to check there.
 
 :func:`describe` is what reports and saved failures record: mlx version,
-device, requested and measured precision, and which custom kernels the cache
-runs and whether they were checked.
+device, requested and measured precision, which custom kernels the cache
+runs and whether they were checked, and the lane with the custom kernels
+launched so far (``tqbatch.testing.lane``). :func:`kernel_report` and
+:func:`device_memory` complete ``tqbatch backend``'s report.
 
 Importing this module does not import mlx.
 """

@@ -1,6 +1,6 @@
 """mlx-vlm's Metal kernels against plain MLX ops: the custom-kernel part of the backend check.
 
-On Metal, tqbatch's cache does not run its own codec (``tqbatch._codec.covers``
+On a Mac's GPU, tqbatch's cache does not run its own codec (``tqbatch._codec.covers``
 is False there): every write, read-out and decode step goes through mlx-vlm's
 codec and attention methods, and those dispatch mlx-vlm's fused kernels
 (``mx.fast.metal_kernel``). A device can run MLX's own ops right and custom
@@ -9,7 +9,8 @@ custom kernels have been reported to return zeros), so where the cache would
 run these kernels the backend check (``tqbatch.testing.backend``) takes each
 of those steps twice, at tiny shapes: through mlx-vlm's entry points
 (``METAL``) and through tqbatch's codec in plain MLX ops (``PLAIN``).
-:func:`problems` names every disagreement, error and all-zeros result.
+:func:`problems` names every disagreement, error and all-zeros result;
+:func:`run` gives each case's result and time, for the backend report.
 
 The reference is tqbatch's codec, not mlx-vlm's fallbacks, because on Metal
 those fallbacks pack and unpack codes with custom kernels too
@@ -20,11 +21,12 @@ mlx-vlm's codec writes (``tests/unit/test_codec.py``).
 
 Both paths are arguments, so the comparison is tested where no Metal kernel
 runs: off Metal ``METAL`` runs mlx-vlm's plain fallbacks, and the tests pass
-paths that return zeros or slightly wrong results
-(``tests/unit/test_backend_kernels.py``).
+paths that return zeros, fail a build once or are slightly wrong
+(``tests/unit/test_backend_kernels.py``); on a simulated Mac ``METAL``
+launches emulated kernels (``tests/unit/test_simulated_metal.py``).
 
 Imports mlx and mlx-vlm; ``tqbatch.testing.backend`` imports this module only
-where Metal is present.
+where the cache runs Metal kernels (a Mac's GPU lane).
 """
 
 from __future__ import annotations
