@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch import BatchTurboQuantKVCache
+from tqbatch import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
 from tqbatch.workbench.kv_ledger import AttentionLog, KVLedger
 
 from .support import normal
@@ -38,6 +38,16 @@ def test_ledger_records_a_nested_write_once(rng):
     with KVLedger((BatchTurboQuantKVCache, TurboQuantKVCache)) as ledger:
         batch.update_and_fetch(k, v)
     assert len(ledger.writes_to(batch)) == 1
+
+
+def test_ledger_records_a_write_through_a_parents_method_once(rng):
+    """BatchableTurboQuantKVCache.update_and_fetch calls mlx-vlm's: both wrapped, one write."""
+    single = BatchableTurboQuantKVCache(bits=4)
+    k, v = normal(rng, (1, 2, 2, 64)), normal(rng, (1, 2, 2, 64))
+    with KVLedger((BatchableTurboQuantKVCache, TurboQuantKVCache)) as ledger:
+        single.update_and_fetch(k, v)
+        single.update_and_fetch(k, v)
+    assert len(ledger.writes_to(single)) == 2
 
 
 def test_ledger_records_merges_and_their_members(rng):

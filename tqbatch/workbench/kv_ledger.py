@@ -10,7 +10,7 @@ block, so every write is recorded by the object that received it, and every
 re-batch by the object it produced.
 
 The wrappers call the original methods unchanged; nested calls an object
-makes to itself are recorded once.
+makes to itself, its own class's or a parent's, are recorded once.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ class KVLedger:
 
     def __enter__(self) -> KVLedger:
         self._patched: list[tuple[type, str, object]] = []
+        # One depth per object across every wrapped class: a subclass's
+        # update_and_fetch that calls its parent's is one write, not two.
+        self._depth: dict[int, int] = defaultdict(int)
         owners = {_defining_class(cls, "update_and_fetch") for cls in self.classes}
         for owner in owners:
             self._wrap_update(owner)
@@ -91,7 +94,7 @@ class KVLedger:
 
     def _wrap_update(self, owner: type):
         original = owner.__dict__["update_and_fetch"]
-        depth: dict[int, int] = defaultdict(int)
+        depth = self._depth
         ledger = self
 
         def update_and_fetch(cache, keys, values, *args, **kwargs):
