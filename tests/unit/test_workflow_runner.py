@@ -9,6 +9,7 @@ status functions, ``GITHUB_ENV``/``GITHUB_PATH`` between steps, matrix cells,
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -311,6 +312,10 @@ def test_the_shim_refuses_another_user_and_passes_exit_codes(tmp_path):
 
 def test_no_shim_when_not_root(checkout, monkeypatch):
     monkeypatch.setattr(run_workflow, "running_as_root", lambda: False)
+    # Under .ci/run this suite itself runs in a runner step, whose PATH has the
+    # outer runner's shim: this runner's steps must not get one of their own.
+    outer = [d for d in os.environ.get("PATH", "").split(os.pathsep) if "runner-temp-" not in d]
+    monkeypatch.setenv("PATH", os.pathsep.join(outer))
     workflow = """
         on: push
         jobs:
