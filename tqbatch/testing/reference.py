@@ -105,18 +105,25 @@ class DenseReference:
         rp = self.cache._right_padding
         return None if rp is None else [int(v) for v in np.array(rp).tolist()]
 
-    def mask(self, n_queries: int, window_size: int | None = None) -> np.ndarray:
-        return to_numpy(
-            self.cache.make_mask(n_queries, return_array=True, window_size=window_size)
-        ).astype(bool)
+    def masks(self, checks: Sequence[tuple[int, int | None]]) -> list[np.ndarray]:
+        """``make_mask(n, window_size=w)`` per ``(n, w)`` of ``checks``, in one evaluation."""
+        made = [self.cache.make_mask(n, return_array=True, window_size=w) for n, w in checks]
+        return [mask.astype(bool) for mask in to_numpy_all(*made)]
 
-    def row_tokens(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Row ``b``'s full-precision slots from its left padding to the written end."""
+    def rows_tokens(self, rows: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per row of ``rows``: its full-precision (H, T, D) keys and values from its left
+        padding to the written end, all read in one evaluation."""
         if self.cache.keys is None:
             raise ValueError("the dense oracle is empty")
-        lp, end = self.left_padding[b], self.size()
-        keys, values = to_numpy_all(self.cache.keys[b, :, lp:end], self.cache.values[b, :, lp:end])
-        return keys, values
+        padding, end = self.left_padding, self.size()
+        slices = []
+        for b in rows:
+            slices += [
+                self.cache.keys[b, :, padding[b] : end],
+                self.cache.values[b, :, padding[b] : end],
+            ]
+        read = to_numpy_all(*slices)
+        return list(zip(read[::2], read[1::2]))
 
     # ----------------------------------------------------------- operations
 
