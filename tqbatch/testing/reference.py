@@ -36,22 +36,25 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
-from mlx_vlm.turboquant import TurboQuantKVCache
 
+from tqbatch.testing.codec_round_trip import round_trip
+from tqbatch.testing.reference_codecs import reference_codecs
 from tqbatch.testing.rounding import AdmissibleCodes
 from tqbatch.testing.tolerances import content_tolerance, excess_ratios
 
-__all__ = ["DenseReference", "TurboReferences", "as_ints", "to_numpy"]
+__all__ = ["DenseReference", "TurboReferences", "as_ints", "to_numpy", "to_numpy_all"]
 
 
 def to_numpy(x) -> np.ndarray:
     """A numpy copy of an MLX array (bool arrays stay bool)."""
-    mx.eval(x)
-    if x.dtype == mx.bool_:
-        return np.array(x)
-    if x.dtype in (mx.float16, mx.bfloat16):
-        x = x.astype(mx.float32)
-    return np.array(x)
+    return to_numpy_all(x)[0]
+
+
+def to_numpy_all(*arrays) -> list[np.ndarray]:
+    """``to_numpy`` of each MLX array, computed in one ``mx.eval`` (one wait, not one each)."""
+    widened = [x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x for x in arrays]
+    mx.eval(widened)
+    return [np.array(x) for x in widened]
 
 
 def as_ints(x) -> list[int]:
@@ -102,20 +105,25 @@ class DenseReference:
         rp = self.cache._right_padding
         return None if rp is None else [int(v) for v in np.array(rp).tolist()]
 
-    def mask(self, n_queries: int, window_size: int | None = None) -> np.ndarray:
-        return to_numpy(
-            self.cache.make_mask(n_queries, return_array=True, window_size=window_size)
-        ).astype(bool)
+    def masks(self, checks: Sequence[tuple[int, int | None]]) -> list[np.ndarray]:
+        """``make_mask(n, window_size=w)`` per ``(n, w)`` of ``checks``, in one evaluation."""
+        made = [self.cache.make_mask(n, return_array=True, window_size=w) for n, w in checks]
+        return [mask.astype(bool) for mask in to_numpy_all(*made)]
 
-    def row_tokens(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Row ``b``'s full-precision slots from its left padding to the written end."""
+    def rows_tokens(self, rows: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per row of ``rows``: its full-precision (H, T, D) keys and values from its left
+        padding to the written end, all read in one evaluation."""
         if self.cache.keys is None:
             raise ValueError("the dense oracle is empty")
-        lp, end = self.left_padding[b], self.size()
-        return (
-            to_numpy(self.cache.keys[b, :, lp:end]),
-            to_numpy(self.cache.values[b, :, lp:end]),
-        )
+        padding, end = self.left_padding, self.size()
+        slices = []
+        for b in rows:
+            slices += [
+                self.cache.keys[b, :, padding[b] : end],
+                self.cache.values[b, :, padding[b] : end],
+            ]
+        read = to_numpy_all(*slices)
+        return list(zip(read[::2], read[1::2]))
 
     # ----------------------------------------------------------- operations
 
@@ -171,7 +179,8 @@ class DenseReference:
     def extract(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Full-precision (H, T, D) keys and values of ``BatchKVCache.extract(b)``."""
         single = self.cache.extract(b)
-        return to_numpy(single.keys[0]), to_numpy(single.values[0])
+        keys, values = to_numpy_all(single.keys[0], single.values[0])
+        return keys, values
 
 
 class TurboReferences:
@@ -181,11 +190,13 @@ class TurboReferences:
     seed), so a request's reference is its own tokens through mlx-vlm's
     codecs: quantized, then dequantized. Held as float32 ``(H, T, D)`` numpy
     arrays, appended to and cut as the request grows and is trimmed. The
-    codecs are those of a ``TurboQuantKVCache`` with this configuration, and
-    one op's new tokens, of every request, go through them in one call: a
-    cache per request fed one op at a time was a third of the harness's time
-    per example. ``tests/unit/test_reference_cache.py`` shows the result equal
-    to what a ``TurboQuantKVCache`` per request holds.
+    codecs are those of a ``TurboQuantKVCache`` with this configuration
+    (``tqbatch.testing.reference_codecs``: at integer widths, one pair per
+    configuration and process), and one op's new tokens, of every request,
+    go through them in one round trip (``tqbatch.testing.codec_round_trip``):
+    a cache per request fed one op at a time was a third of the harness's
+    time per example. ``tests/unit/test_reference_cache.py`` shows the result
+    equal to what a ``TurboQuantKVCache`` per request holds.
     """
 
     def __init__(self, bits: float, seed: int, key_bits=None, value_bits=None):
@@ -229,14 +240,12 @@ class TurboReferences:
     def _round_trip(self, keys: mx.array, values: mx.array):
         """(H, T, D) float32 dequantized codes of (1, H, T, D) keys and values."""
         if self._codecs is None:
-            probe = TurboQuantKVCache(**self.config)
-            probe.update_and_fetch(keys[:, :, :1], values[:, :, :1])
-            self._codecs = (probe.key_codec, probe.value_codec)
+            self._codecs = reference_codecs(self.config, keys, values)
         key_codec, value_codec = self._codecs
         # As TurboQuantKVCache.update_and_fetch quantizes and .dequantize reads back.
-        k = key_codec.dequantize(key_codec.quantize(keys)).astype(mx.float32)
-        v = value_codec.dequantize(value_codec.quantize(values)).astype(mx.float32)
-        return to_numpy(k[0]), to_numpy(v[0])
+        k = round_trip(key_codec, keys).astype(mx.float32)
+        v = round_trip(value_codec, values).astype(mx.float32)
+        return to_numpy_all(k[0], v[0])
 
     def trim(self, request_id: int, n: int):
         for store in (self._tokens, self._entered):
