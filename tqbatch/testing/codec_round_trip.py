@@ -69,7 +69,9 @@ def _midpoints_below(midpoints: mx.array, x: mx.array) -> mx.array:
     mlx-vlm sums ``x > midpoints[m]`` over every m: 255 ops at 8 bits. Over
     ascending midpoints that predicate holds for a prefix of them, so a
     binary search for the prefix's length finds the same count in log2 steps
-    (a NaN exceeds none: 0 either way).
+    (a NaN exceeds none: 0 either way). Not ``tqbatch._codec``'s search,
+    which does the same: the references are the oracle for tqbatch's cache
+    and must not share the code they judge.
     """
     n = midpoints.shape[0]
     count = mx.zeros(x.shape, dtype=mx.int32)

@@ -194,27 +194,21 @@ def _fused_kv_quantize(
 # ------------------------------------------------------------------ scores
 
 
-def _scores(q_rot, norms, packed, codebook, bits: int, dim: int, repeat: int) -> mx.array:
+def _scores(inputs, template, repeat: int) -> mx.array:
     """(BH, R, T) ``norm * <q, codebook[codes]>``, queries (BH * R, D) in the rotated basis."""
+    norms, dim = inputs["norms"], template["Dim"]
     heads, tokens = _layout(norms)
-    _, values = _dequantized(packed, norms, codebook, bits, dim, heads, tokens)
-    q = _view(q_rot, heads, repeat, dim).astype(mx.float32)
+    _, values = _dequantized(
+        inputs["packed"], norms, inputs["codebook"], template["Bits"], dim, heads, tokens
+    )
+    q = _view(inputs["q_rot"], heads, repeat, dim).astype(mx.float32)
     dots = q @ values.transpose(0, 2, 1)
     return dots * _view(norms, heads, tokens).astype(mx.float32)[:, None, :]
 
 
 @_emulates(r"turboquant_mse_score")
 def _mse_score(inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value):
-    repeat = inputs["q_rot"].shape[2]
-    scores = _scores(
-        inputs["q_rot"],
-        inputs["norms"],
-        inputs["packed"],
-        inputs["codebook"],
-        template["Bits"],
-        template["Dim"],
-        repeat,
-    )
+    scores = _scores(inputs, template, inputs["q_rot"].shape[2])
     return [scores.reshape(output_shapes[0])]
 
 
@@ -222,25 +216,26 @@ def _mse_score(inputs, template, grid, threadgroup, output_shapes, output_dtypes
 def _mse_score_tiled(
     inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value, *, repeat
 ):
-    scores = _scores(
-        inputs["q_rot"],
-        inputs["norms"],
-        inputs["packed"],
-        inputs["codebook"],
-        template["Bits"],
-        template["Dim"],
-        template["RepeatCount"],
-    )
+    scores = _scores(inputs, template, template["RepeatCount"])
     return [scores.reshape(output_shapes[0])]
 
 
 # ------------------------------------------------------------------ weighted sums
 
 
-def _weighted_rot(weights, norms, packed, codebook, bits: int, dim: int) -> mx.array:
+def _weighted_rot(weights, inputs, template) -> mx.array:
     """(BH, R, D) ``sum_t weight * norm * codebook[code]``: values in the rotated basis."""
+    norms = inputs["norms"]
     heads, tokens = _layout(norms)
-    scaled, _ = _dequantized(packed, norms, codebook, bits, dim, heads, tokens)
+    scaled, _ = _dequantized(
+        inputs["packed"],
+        norms,
+        inputs["codebook"],
+        template["Bits"],
+        template["Dim"],
+        heads,
+        tokens,
+    )
     return _view(weights, heads, -1, tokens).astype(mx.float32) @ scaled
 
 
@@ -248,15 +243,7 @@ def _weighted_rot(weights, norms, packed, codebook, bits: int, dim: int) -> mx.a
 def _mse_weighted_rot(
     inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value
 ):
-    out = _weighted_rot(
-        inputs["weights"],
-        inputs["norms"],
-        inputs["packed"],
-        inputs["codebook"],
-        template["Bits"],
-        template["Dim"],
-    )
-    return [out.reshape(output_shapes[0])]
+    return [_weighted_rot(inputs["weights"], inputs, template).reshape(output_shapes[0])]
 
 
 @_emulates(r"turboquant_mse_weighted_rot_repeat_(?P<repeat>\d+)")
@@ -268,27 +255,21 @@ def _mse_weighted_rot_repeat(
     )
 
 
-def _softmax_numerators(scores, max_scores, heads: int, tokens: int) -> mx.array:
-    """(BH, R, T) ``exp(score - max_score)`` with the max the caller passed."""
-    scores = _view(scores, heads, -1, tokens).astype(mx.float32)
-    top = _view(max_scores, heads, scores.shape[1]).astype(mx.float32)
-    return mx.exp(scores - top[..., None])
+def _softmax_weighted_rot(inputs, template) -> tuple[mx.array, mx.array]:
+    """(BH, R, T) ``exp(score - max_score)`` with the max the caller passed, and those
+    numerators' weighted sum of the values, (BH, R, D) in the rotated basis."""
+    heads, tokens = _layout(inputs["norms"])
+    scores = _view(inputs["scores"], heads, -1, tokens).astype(mx.float32)
+    top = _view(inputs["max_scores"], heads, scores.shape[1]).astype(mx.float32)
+    numerators = mx.exp(scores - top[..., None])
+    return numerators, _weighted_rot(numerators, inputs, template)
 
 
 @_emulates(r"turboquant_mse_scores_weighted_rot_sum_repeat_(?P<repeat>\d+)")
 def _mse_scores_weighted_rot_sum(
     inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value, *, repeat
 ):
-    heads, tokens = _layout(inputs["norms"])
-    weights = _softmax_numerators(inputs["scores"], inputs["max_scores"], heads, tokens)
-    out = _weighted_rot(
-        weights,
-        inputs["norms"],
-        inputs["packed"],
-        inputs["codebook"],
-        template["Bits"],
-        template["Dim"],
-    )
+    _, out = _softmax_weighted_rot(inputs, template)
     return [out.reshape(output_shapes[0])]
 
 
@@ -296,17 +277,8 @@ def _mse_scores_weighted_rot_sum(
 def _mse_scores_weighted_rot(
     inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value, *, repeat
 ):
-    heads, tokens = _layout(inputs["norms"])
-    weights = _softmax_numerators(inputs["scores"], inputs["max_scores"], heads, tokens)
-    out = _weighted_rot(
-        weights,
-        inputs["norms"],
-        inputs["packed"],
-        inputs["codebook"],
-        template["Bits"],
-        template["Dim"],
-    )
-    denominator = mx.maximum(mx.sum(weights, axis=-1), 1e-6)
+    numerators, out = _softmax_weighted_rot(inputs, template)
+    denominator = mx.maximum(mx.sum(numerators, axis=-1), 1e-6)
     return [(out / denominator[..., None]).reshape(output_shapes[0])]
 
 
