@@ -10,7 +10,7 @@ import numpy as np
 from tqbatch.testing.checks import CONTRACT, POLICY, Check, CheckFailure, KnownFailure
 from tqbatch.testing.invariants import MASK_CHECKS
 from tqbatch.testing.ops.declaration import Op, Rule
-from tqbatch.testing.reference import as_ints, to_numpy
+from tqbatch.testing.reference import as_ints, to_numpy, to_numpy_all
 
 
 def _error_type(op) -> type[BaseException] | None:
@@ -90,14 +90,8 @@ def _snapshot(world) -> dict:
         "offset": as_ints(t.offset),
         "left_padding": as_ints(t.left_padding),
         "size": as_ints(t.size()),
-        "masks": [
-            to_numpy(t.make_mask(n, return_array=True, window_size=window))
-            for n, window in MASK_CHECKS
-        ],
-        "default masks": [
-            repr(m) if not isinstance(m, mx.array) else to_numpy(m).tolist()
-            for m in (t.make_mask(n, window_size=window) for n, window in MASK_CHECKS)
-        ],
+        "masks": [_array(t.make_mask(n, return_array=True, window_size=w)) for n, w in MASK_CHECKS],
+        "default masks": [_copy(t.make_mask(n, window_size=w)) for n, w in MASK_CHECKS],
         "pending right padding": None if pending is None else as_ints(pending),
         "configuration": tuple(
             getattr(t, name, None) for name in ("bits", "key_bits", "value_bits", "seed")
@@ -107,9 +101,31 @@ def _snapshot(world) -> dict:
         "codecs": tuple(getattr(t, name, None) for name in ("key_codec", "value_codec")),
     }
     if world.capabilities["dequantize"] and not t.empty() and world.numpy_model.end > 0:
-        k, v = t.dequantize()
-        snap["keys"], snap["values"] = to_numpy(k), to_numpy(v)
+        snap["keys"], snap["values"] = (_array(x) for x in t.dequantize())
+    # Every array read in one evaluation (one wait, not one per array).
+    arrays = [*snap["masks"], *snap["default masks"], snap.get("keys"), snap.get("values")]
+    arrays = [x for x in arrays if isinstance(x, mx.array)]
+    read = dict(zip(map(id, arrays), to_numpy_all(*arrays)))
+    for key in ("masks", "default masks"):
+        snap[key] = [read[id(m)] if isinstance(m, mx.array) else repr(m) for m in snap[key]]
+    for key in ("keys", "values"):
+        if key in snap:
+            snap[key] = read[id(snap[key])]
     return snap
+
+
+def _array(x) -> mx.array:
+    """A copy of ``x``, which must be an MLX array (a read failure otherwise, as converting
+    it would)."""
+    if not isinstance(x, mx.array):
+        to_numpy(x)  # raises what reading a non-array raises
+    return _copy(x)
+
+
+def _copy(x):
+    """``x``, an array copied as it is read: evaluated later, it must not show a write the
+    target makes into an array it returned (``a[i] = v`` reaches every holder)."""
+    return mx.array(x) if isinstance(x, mx.array) else x
 
 
 def _same(a, b) -> bool:

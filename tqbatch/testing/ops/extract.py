@@ -10,6 +10,7 @@ from tqbatch.testing.checks import CONTRACT, POLICY, Check
 from tqbatch.testing.judges import judge_tokens
 from tqbatch.testing.observation import packed_leaves
 from tqbatch.testing.ops.declaration import BadInput, Op, Recorded, Rule
+from tqbatch.testing.packing import vectorized_packing
 from tqbatch.testing.reference import to_numpy
 from tqbatch.testing.tolerances import CROSS_PLATFORM_NOTE, EXACT, PACKED_CROSS_PLATFORM
 
@@ -42,7 +43,8 @@ def _oracles(world, op, single):
         return {"length": length}
     out = {"length": length}
     if length:
-        got_k, got_v = single.dequantize()
+        with vectorized_packing():  # the harness reading an mlx-vlm cache, not the target
+            got_k, got_v = single.dequantize()
         got_k, got_v = to_numpy(got_k[0]), to_numpy(got_v[0])
         for side, (name, got) in enumerate((("keys", got_k), ("values", got_v))):
             want = world.refs.dequantized(rid)[side][:, :length]
@@ -75,8 +77,9 @@ def _oracles(world, op, single):
         # The extracted cache must be independent: append a poison token to it;
         # the checks after the op then show the batch row did not move.
         poison = world.poison_row_token(1, np.random.default_rng(b))
-        single.update_and_fetch(poison, poison)
-        mx.eval(single.keys, single.values)
+        with vectorized_packing():
+            single.update_and_fetch(poison, poison)
+            mx.eval(single.keys, single.values)
     return out
 
 

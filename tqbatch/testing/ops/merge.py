@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from tqbatch.testing.ops.declaration import BadInput, Op, Rule
+from tqbatch.testing.packing import vectorized_packing
 from tqbatch.testing.reference import DenseReference
 from tqbatch.testing.strategies import MAX_PROMPT, MAX_ROWS, seeds
 
@@ -53,9 +54,11 @@ def _target(world, op):
         singles = [
             KVCache() if i in full_precision else world.single(s) for i, s in enumerate(seeds_)
         ]
-    for single, (k, v) in zip(singles, members):
-        if k.shape[1] and not op.get("foreign"):
-            single.update_and_fetch(mx.array(k[None]), mx.array(v[None]))
+    # The harness's own writes: mlx-vlm's update_and_fetch, its packing vectorized.
+    with vectorized_packing():
+        for single, (k, v) in zip(singles, members):
+            if k.shape[1] and not op.get("foreign"):
+                single.update_and_fetch(mx.array(k[None]), mx.array(v[None]))
     merge = world.impl.merge
     if full_precision and len(full_precision) == len(lengths):
         # No member carries a configuration: re-batch through the running
