@@ -12,6 +12,7 @@ still all padding).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,13 @@ def causal_mask(
         allowed &= q - k < window_size
     lp = np.asarray(left_padding, dtype=np.int64).reshape(-1, 1, 1, 1)
     return allowed[None, None] & (k[None, None] >= lp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _causal_mask_of(n_queries: int, end: int, left_padding: tuple, window_size) -> np.ndarray:
+    mask = causal_mask(n_queries, end, left_padding, window_size)
+    mask.flags.writeable = False  # shared by every caller of the same geometry
+    return mask
 
 
 def attention(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, mask, scale: float):
@@ -131,7 +139,8 @@ class NumpyBatchModel:
         return self.end
 
     def mask(self, n_queries: int, window_size: int | None = None) -> np.ndarray:
-        return causal_mask(n_queries, self.end, self.left_padding, window_size)
+        """``causal_mask`` of the model's geometry: made once per geometry, read-only."""
+        return _causal_mask_of(n_queries, self.end, tuple(self.left_padding), window_size)
 
     def row_length(self, b: int) -> int:
         """Slots of row ``b`` that hold its request's tokens."""

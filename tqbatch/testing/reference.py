@@ -57,6 +57,11 @@ def to_numpy_all(*arrays) -> list[np.ndarray]:
     return [np.array(x) for x in widened]
 
 
+def _read_only(x: np.ndarray) -> np.ndarray:
+    x.flags.writeable = False
+    return x
+
+
 def as_ints(x) -> list[int]:
     """A flat list of Python ints from an MLX array, numpy array, list or scalar."""
     if isinstance(x, mx.array):
@@ -70,6 +75,7 @@ class DenseReference:
 
     def __init__(self, cache: BatchKVCache):
         self.cache = cache
+        self._masks: dict[tuple, list[np.ndarray]] = {}
 
     @classmethod
     def empty(cls, left_padding: Sequence[int]) -> DenseReference:
@@ -106,9 +112,17 @@ class DenseReference:
         return None if rp is None else [int(v) for v in np.array(rp).tolist()]
 
     def masks(self, checks: Sequence[tuple[int, int | None]]) -> list[np.ndarray]:
-        """``make_mask(n, window_size=w)`` per ``(n, w)`` of ``checks``, in one evaluation."""
-        made = [self.cache.make_mask(n, return_array=True, window_size=w) for n, w in checks]
-        return [mask.astype(bool) for mask in to_numpy_all(*made)]
+        """``make_mask(n, window_size=w)`` per ``(n, w)`` of ``checks``, in one evaluation.
+
+        BatchKVCache's mask is mlx-lm's ``create_causal_mask`` of ``n``, the
+        window, its ``_idx`` and its left padding, nothing else: the masks are
+        made once per such geometry and handed out read-only.
+        """
+        key = (tuple(checks), self.size(), tuple(self.left_padding))
+        if key not in self._masks:
+            made = [self.cache.make_mask(n, return_array=True, window_size=w) for n, w in checks]
+            self._masks[key] = [_read_only(mask.astype(bool)) for mask in to_numpy_all(*made)]
+        return self._masks[key]
 
     def rows_tokens(self, rows: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per row of ``rows``: its full-precision (H, T, D) keys and values from its left
