@@ -188,6 +188,14 @@ OP = Op(
             lambda batch: {"op": "merge", "lengths": [2, 1], "kv_seed": 0, "foreign": True},
         ),
     ),
+    notes=(
+        "`merge` against a target without `Impl.merge`: the same batch is built by "
+        "`Impl(left_padding=[longest - lengths[i]])` and one `update_and_fetch` of "
+        "`(B, H, longest, D)` K/V holding member i's tokens right-aligned (padding slots "
+        "poisoned); codes are per token, so the request slots equal merge's. `foreign`, "
+        "`full_precision` and mixed `member_seeds` test merge itself: without `Impl.merge` "
+        "the scenario skips. A replay reports the construction it used.",
+    ),
     rules=(
         Rule(
             "restart_with_merge",
