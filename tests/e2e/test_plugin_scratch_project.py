@@ -381,7 +381,7 @@ def test_the_golden_set_runs_against_mlx_vlms_class(scratch):
     # listed failure of the ops they replay (offset@roundtrip: 07, 10, the eight 14s
     # and 24; dequantize@extend: 12's empty side); 8 skip.
     assert {k: len(v) for k, v in by_kind.items()} == {"passed": 12, "xfailed": 12, "skipped": 8}
-    built = "batches built by constructor(left_padding) + padded prefill"
+    built = "built by constructor(left_padding) + padded prefill"
     for kind, message in outcomes.values():
         if kind == "skipped":
             missing_op = re.search(r"lacks what op\(s\) .*'(prepare|finalize)'", message)

@@ -420,8 +420,10 @@ class ReplayResult:
 
     @property
     def built(self) -> str:
-        """``"batches built by ..."``, or "" where the scenario merges nothing."""
-        return f"batches built by {self.construction}" if self.construction else ""
+        """``"batches built by ..."`` (skipped: ``would be``), or "" where it merges nothing."""
+        if not self.construction:
+            return ""
+        return f"batches {'would be ' if self.skipped else ''}built by {self.construction}"
 
     def __repr__(self) -> str:  # the observed arrays would drown a test report
         return f"<ReplayResult {self.summary().splitlines()[0]}>"
