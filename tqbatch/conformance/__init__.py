@@ -120,8 +120,11 @@ def failing(state: plugin.Harness, found: list[Found]) -> list[Found]:
     return [f for f in found if not _listed(state, f) and f.level != "policy"]
 
 
-def judge(request, state: plugin.Harness, found: list[Found]) -> None:
-    """Fail on what is new; xfail where everything found is listed or a policy difference."""
+def judge(request, state: plugin.Harness, found: list[Found], note: str = "") -> None:
+    """Fail on what is new; xfail where everything found is listed or a policy difference.
+
+    ``note`` ends the xfail reason (a golden test's construction of its batches).
+    """
     for f in found:
         if f.identity:
             request.node.user_properties.append((plugin.FOUND, f.identity))
@@ -142,4 +145,4 @@ def judge(request, state: plugin.Harness, found: list[Found]) -> None:
     if known or policy:
         reasons = [f"{f.identity}: {state.listed[f.identity]}" for f in known]
         reasons += [f"{f.identity}: a policy difference, not a contract failure" for f in policy]
-        pytest.xfail("; ".join(reasons))
+        pytest.xfail("; ".join(reasons) + note)

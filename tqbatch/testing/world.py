@@ -40,11 +40,21 @@ from tqbatch.testing.numpy_model import NumpyBatchModel
 from tqbatch.testing.ops import OPS
 from tqbatch.testing.reference import TurboReferences, to_numpy
 
-__all__ = ["MASK_CHECKS", "POISON", "UnsupportedOp", "World", "format_ops"]
+__all__ = ["MASK_CHECKS", "POISON", "UnsupportedOp", "World", "format_ops", "nested_ops"]
 
 
 class UnsupportedOp(Exception):
     """The target lacks a capability the op needs (see ``tqbatch.testing.impl``)."""
+
+
+def nested_ops(op: dict) -> Iterator[dict]:
+    """``op`` and every op nested in it (``expect_error.inner``, ``extend.other``), in order."""
+    yield op
+    if op.get("op") == "expect_error":
+        yield from nested_ops(op["inner"])
+    elif op.get("op") == "extend":
+        for other in op["other"]:
+            yield from nested_ops(other)
 
 
 def format_ops(ops) -> str:
@@ -116,19 +126,27 @@ class World:
     # ================================================================ public
 
     def supports(self, op: dict) -> bool:
-        """Whether the target offers every capability ``op`` needs (for ``new``: whether its
-        constructor takes the configuration, ``impl.CONFIGURATIONS``)."""
+        """Whether the target offers every capability ``op`` and its nested ops need
+        (``needs``; for ``new``: whether its constructor takes the configuration,
+        ``impl.CONFIGURATIONS``)."""
         kind = op["op"]
         if kind == "expect_error":
             return self.supports(op["inner"])
-        need = OPS[kind].needs if kind in OPS else ()  # an unknown op is apply's to refuse
-        if kind == "new":
-            need = self.configuration_needs(op.get("seed"))
+        need = self.needs(op)
         if kind == "extend":
             return all(self.capabilities.get(c, False) for c in need) and all(
                 self.supports(o) for o in op["other"]
             )
         return all(self.capabilities.get(c, False) for c in need)
+
+    def needs(self, op: dict) -> tuple[str, ...]:
+        """The capabilities ``op`` itself needs of the target (nested ops aside)."""
+        declared = OPS.get(op["op"])
+        if declared is None:  # an unknown op is apply's to refuse
+            return ()
+        if declared.needs_of is not None:
+            return declared.needs_of(self, op)
+        return declared.needs
 
     def apply(self, op: dict):
         """Perform ``op`` on target, model and oracles; returns what the op yields.

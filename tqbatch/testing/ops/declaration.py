@@ -70,6 +70,9 @@ class Op:
     ``validate(world, op)`` raises ``ValueError`` for an op that is malformed
     for this batch, before the target sees it (a scenario's mistake, not the
     cache's). ``needs``: capabilities of the target (``tqbatch.testing.impl``).
+    ``needs_of(world, op)``: the capabilities this op needs of this target,
+    where they depend on both (``new``: its configuration's; ``merge``: none
+    of ``merge`` itself where the batch can be built without it); default ``needs``.
     ``checks``: the checks only this op reports. ``observe(target, op,
     result)``: what a replay records of it, with ``recorded`` tolerances.
     ``fields``, ``meaning``, ``optional`` (field, meaning) and ``notes``:
@@ -82,6 +85,7 @@ class Op:
     target: Callable[[Any, dict], Any]
     oracles: Callable[[Any, dict, Any], Any] | None
     needs: tuple[str, ...] = ()
+    needs_of: Callable[[Any, dict], tuple[str, ...]] | None = None
     validate: Callable[[Any, dict], None] | None = None
     optional: tuple[tuple[str, str], ...] = ()
     checks: tuple[Check, ...] = ()

@@ -7,6 +7,7 @@ import numpy as np
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from tqbatch.testing.generation import POISON
 from tqbatch.testing.ops.declaration import BadInput, Op, Rule
 from tqbatch.testing.packing import vectorized_packing
 from tqbatch.testing.reference import DenseReference
@@ -31,18 +32,68 @@ def merge_op(draw, max_rows: int = MAX_ROWS, rebatch: bool = False):
     return op
 
 
-def _target(world, op):
-    lengths = [int(n) for n in op["lengths"]]
-    H, D = world.kv_heads, world.head_dim
-    rng = np.random.default_rng(op["kv_seed"])
+# How the target is built, as replay reports it (``construction``).
+BY_MERGE = "merge"
+BY_PREFILL = "constructor(left_padding) + padded prefill"
+
+
+def merge_only(op: dict) -> str | None:
+    """Why this merge has no construction but ``Impl.merge`` itself; None where it has one.
+
+    These variants test what ``Impl.merge`` does with its members (quantize
+    full-precision ones, refuse foreign types or mixed configurations): no
+    constructor-built batch holds the same question.
+    """
+    if op.get("foreign"):
+        return "foreign members test Impl.merge's own type check"
+    if op.get("full_precision"):
+        return "full-precision members are quantized by Impl.merge itself"
+    if len(set(op.get("member_seeds") or ())) > 1:
+        return "members of mixed configurations test Impl.merge's own check"
+    return None
+
+
+def construction(world, op: dict) -> str | None:
+    """How ``op`` builds the batch on ``world``'s target; None where it cannot."""
+    if world.capabilities["merge"]:
+        return BY_MERGE
+    return None if merge_only(op) else BY_PREFILL
+
+
+def _batch_seed(world, op) -> int:
+    """The codec seed of the batch: its members' (uniform here), else the world's."""
+    seeds_ = op.get("member_seeds")
+    return int(seeds_[0]) if seeds_ else world.seed
+
+
+def _needs(world, op) -> tuple[str, ...]:
+    if construction(world, op) == BY_PREFILL:
+        return world.configuration_needs(_batch_seed(world, op))
+    return ("merge",)
+
+
+def _members(op, rng, H: int, D: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each member's (H, n, D) keys and values, drawn in member order."""
     scale = op.get("scale", 1.0)
-    members = [
+    return [
         (
             (rng.standard_normal((H, n, D)) * scale).astype(np.float32),
             (rng.standard_normal((H, n, D)) * scale).astype(np.float32),
         )
-        for n in lengths
+        for n in (int(n) for n in op["lengths"])
     ]
+
+
+def _target(world, op):
+    rng = np.random.default_rng(op["kv_seed"])
+    members = _members(op, rng, world.kv_heads, world.head_dim)
+    if construction(world, op) == BY_PREFILL:
+        return _by_prefill(world, op, members, rng), members
+    return _by_merge(world, op, members), members
+
+
+def _by_merge(world, op, members):
+    lengths = [k.shape[1] for k, _ in members]
     seeds_ = op.get("member_seeds") or [world.seed] * len(lengths)
     full_precision = set(op.get("full_precision") or ())
     if op.get("foreign"):
@@ -66,7 +117,33 @@ def _target(world, op):
         if world.target is None:
             raise ValueError("merge of only full-precision members needs a batch to re-batch")
         merge = type(world.target).merge
-    return merge(singles), members
+    return merge(singles)
+
+
+def _by_prefill(world, op, members, rng):
+    """The merged batch as a target without ``merge`` builds it: ``Impl(left_padding)``,
+    then one ``(B, H, longest, D)`` write holding each member right-aligned.
+
+    TurboQuant quantizes token by token, so the members' codes are the ones
+    merge copies from their single caches; only the padding slots differ
+    (never read: masked). They hold poison, as every padding slot the
+    harness writes (``tqbatch.testing.generation``). Not built by ``extend``
+    of single rows: that would make every scenario's first op depend on
+    ``extend``, an op with defects of its own (mlx-vlm's loses rows when
+    one side is empty).
+    """
+    lengths = [k.shape[1] for k, _ in members]
+    longest = max(lengths)
+    target = world.construct([longest - n for n in lengths], seed=_batch_seed(world, op))
+    if longest:
+        shape = (len(members), world.kv_heads, longest, world.head_dim)
+        keys = (rng.standard_normal(shape) * POISON).astype(np.float32)
+        values = (rng.standard_normal(shape) * POISON).astype(np.float32)
+        for row, (k, v) in enumerate(members):
+            keys[row, :, longest - k.shape[1] :] = k
+            values[row, :, longest - v.shape[1] :] = v
+        target.update_and_fetch(mx.array(keys), mx.array(values))
+    return target
 
 
 def _oracles(world, op, ctx):
@@ -91,6 +168,7 @@ OP = Op(
     target=_target,
     oracles=_oracles,
     needs=("merge",),
+    needs_of=_needs,
     optional=(
         ("`scale: float`", "K/V scale of the members' tokens"),
         ("`member_seeds: [int]`", "codec seed per member (bad input: mixed configurations)"),
@@ -112,6 +190,14 @@ OP = Op(
             "TypeError",
             lambda batch: {"op": "merge", "lengths": [2, 1], "kv_seed": 0, "foreign": True},
         ),
+    ),
+    notes=(
+        "`merge` against a target without `Impl.merge`: the same batch is built by "
+        "`Impl(left_padding=[longest - lengths[i]])` and one `update_and_fetch` of "
+        "`(B, H, longest, D)` K/V holding member i's tokens right-aligned (padding slots "
+        "poisoned); codes are per token, so the request slots equal merge's. `foreign`, "
+        "`full_precision` and mixed `member_seeds` test merge itself: without `Impl.merge` "
+        "the scenario skips. A replay reports the construction it used.",
     ),
     rules=(
         Rule(

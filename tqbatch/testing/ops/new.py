@@ -24,7 +24,7 @@ OP = Op(
     meaning="replace the target with an empty `Impl(left_padding, bits, seed)`",
     target=_target,
     oracles=_oracles,
-    # Its needs are the configuration's (World.configuration_needs).
+    needs_of=lambda world, op: world.configuration_needs(op.get("seed")),
     optional=(
         (
             "`bits: float`, `seed: int`",
