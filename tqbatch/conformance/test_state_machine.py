@@ -20,12 +20,15 @@ class _Live:
         self.reporter = config.pluginmanager.get_plugin("terminalreporter")
         self.capture = config.pluginmanager.get_plugin("capturemanager")
         self.start = time.monotonic()
-        self.shown = 0
+        self.shown: set = set()
         self.started = False
 
     def __call__(self, result) -> None:
-        new = result.failures[self.shown :]
-        self.shown = len(result.failures)
+        from tqbatch.testing.known_failures import failure_key
+
+        # By identity: the processes' failures come in process order, not in the order found.
+        new = [f for f in result.failures if failure_key(f) not in self.shown]
+        self.shown.update(failure_key(f) for f in new)
         if not new or self.reporter is None or self.capture is None:
             return
         seconds = time.monotonic() - self.start
@@ -40,23 +43,42 @@ class _Live:
                 )
 
 
+def _importable_spec(impl: type) -> str | None:
+    """``impl``'s ``module:Class``, where another process can import the class by it."""
+    from tqbatch.testing.impl import impl_spec, load_impl
+
+    spec = impl_spec(impl)
+    try:
+        return spec if load_impl(spec) is impl else None
+    except Exception:  # noqa: BLE001 - a class defined where no import reaches: run here
+        return None
+
+
 def test_state_machine(tqbatch_harness, request):
     """A survey of the state machine lists no failure that is not known."""
     from hypothesis import settings
 
     from tqbatch.testing.campaign import CampaignResult, run_campaign, save_failures
+    from tqbatch.testing.shards import run_in_processes
 
     state = tqbatch_harness
     examples = state.examples or settings.get_profile(state.profile).max_examples
     live = _Live(request.config)
-    result = run_campaign(
-        state.impl,
-        examples=examples,
-        profile=state.profile,
-        seed=state.seed,
-        survey=True,
-        on_example=live,
-    )
+    campaign = dict(profile=state.profile, survey=True)
+    spec = _importable_spec(state.impl)
+    if state.survey_processes > 1 and spec is not None:
+        result = run_in_processes(
+            spec,
+            processes=state.survey_processes,
+            examples=examples,
+            seed=state.seed,
+            campaign=campaign,
+            on_update=live,
+        )
+    else:
+        result = run_campaign(
+            state.impl, examples=examples, seed=state.seed, on_example=live, **campaign
+        )
     live(result)
     request.node.user_properties.append(("tqbatch_examples", result.examples))
     found = [

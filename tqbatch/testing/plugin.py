@@ -14,11 +14,12 @@ of the state machine and, with ``--tqbatch-models``, the model-family matrix.
 Options (``python -m pytest --help``, group "tqbatch"): ``--tqbatch-impl``
 (ini ``tqbatch_impl``, else ``$TQBATCH_IMPL``, else tqbatch's own class),
 ``--tqbatch-examples`` (ini ``tqbatch_examples``; default: the Hypothesis
-profile's ``max_examples``), ``--tqbatch-seed``, ``--tqbatch-known-failures
-FILE`` (ini ``tqbatch_known_failures``), ``--tqbatch-strict-known-failures``,
-``--tqbatch-failures DIR`` (where new failures are saved as scenarios),
-``--tqbatch-oracles-only``, ``--tqbatch-models``, ``--tqbatch-precision`` and
-``--tqbatch-device``.
+profile's ``max_examples``), ``--tqbatch-seed``, ``--tqbatch-survey-processes``
+(default 2: the survey's examples spread over two processes),
+``--tqbatch-known-failures FILE`` (ini ``tqbatch_known_failures``),
+``--tqbatch-strict-known-failures``, ``--tqbatch-failures DIR`` (where new
+failures are saved as scenarios), ``--tqbatch-oracles-only``,
+``--tqbatch-models``, ``--tqbatch-precision`` and ``--tqbatch-device``.
 
 The plugin stays out of a run that does not ask for it, since it is loaded
 in every pytest run of an environment that has tqbatch: MLX's precision, the
@@ -61,6 +62,11 @@ __all__ = [
     "harness",
 ]
 
+# Two, whatever the machine: the survey's examples depend on the number (each
+# process draws under its own seed), and a verdict must not depend on the
+# runner's cores. GitHub's hosted runners have 3 (macOS arm64) or 4 (Linux).
+SURVEY_PROCESSES = 2
+
 NAME = "tqbatch"  # the entry point's name: `-p no:tqbatch` turns the plugin off
 CONFORMANCE = "tqbatch.conformance"
 # Names of the user properties a conformance test records (also in JUnit XML).
@@ -75,6 +81,7 @@ class Harness:
     impl_spec: str | None = None  # None: $TQBATCH_IMPL, else tqbatch's own class
     examples: int | None = None  # None: the profile's max_examples
     seed: int = 0
+    survey_processes: int = SURVEY_PROCESSES
     profile: str = "dev"
     known: object | None = None  # a tqbatch.testing.known_failures.KnownFailures
     known_path: Path | None = None
@@ -130,6 +137,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("tqbatch_examples", "examples of the state machine survey (--tqbatch-examples)")
     group.addoption(
         "--tqbatch-seed", type=int, default=0, metavar="N", help="survey seed (default 0)"
+    )
+    group.addoption(
+        "--tqbatch-survey-processes",
+        type=int,
+        default=SURVEY_PROCESSES,
+        metavar="N",
+        help=f"processes the survey's examples are spread over (default {SURVEY_PROCESSES}; 1: "
+        "in the test's own process). Each runs its share under its own seed, so the examples "
+        "depend on N, never on the machine",
     )
     group.addoption(
         "--tqbatch-known-failures",
@@ -264,11 +280,15 @@ def _harness_from_options(config: pytest.Config) -> Harness:
             ) from None
     if examples is not None and examples < 1:
         raise pytest.UsageError("tqbatch: --tqbatch-examples must be positive")
+    processes = config.getoption("--tqbatch-survey-processes")
+    if processes < 1:
+        raise pytest.UsageError("tqbatch: --tqbatch-survey-processes must be positive")
     failures = Path(config.getoption("--tqbatch-failures"))
     state = Harness(
         impl_spec=config.getoption("--tqbatch-impl") or _ini(config, "tqbatch_impl"),
         examples=examples,
         seed=config.getoption("--tqbatch-seed"),
+        survey_processes=processes,
         profile=_profile(config),
         strict=config.getoption("--tqbatch-strict-known-failures"),
         models=config.getoption("--tqbatch-models"),

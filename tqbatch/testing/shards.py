@@ -145,3 +145,100 @@ def pytest_generate_tests(metafunc):
     if "shard" in metafunc.fixturenames:
         workers = json.loads(os.environ[_ENV])["workers"]
         metafunc.parametrize("shard", range(workers))
+
+
+# ------------------------------------------------- a survey spread over processes
+
+
+def run_in_processes(
+    impl_spec: str,
+    *,
+    processes: int,
+    examples: int,
+    seed: int,
+    campaign: dict,
+    on_update: Callable[[CampaignResult], None] | None = None,
+) -> CampaignResult:
+    """``run_campaign`` of ``impl_spec`` in ``processes`` processes, their results added up.
+
+    Process ``p`` runs its share of ``examples`` (split exactly, the first
+    ones taking one more) under seed ``seed * 1000 + p``, with the keyword
+    arguments ``campaign`` (JSON: profile, survey, ...). The examples run
+    are a function of these numbers alone, never of the machine's cores or
+    speed, so a verdict is the same on every machine that runs the same
+    number of processes. ``on_update`` gets the sum so far about once a
+    second. The processes start with this one's environment and import path
+    (the device asked for is in ``$TQBATCH_DEVICE``), with nothing of
+    pytest's: a plain ``python -m tqbatch.testing.shards``.
+    """
+    if processes < 1:
+        raise ValueError(f"processes must be positive, not {processes}")
+    base, extra = divmod(examples, processes)
+    shares = [base + (p < extra) for p in range(processes)]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = dict(impl=impl_spec, seed=seed, campaign=campaign, dir=tmp)
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        # Output to files, not pipes: a full pipe would stall a process nobody reads yet.
+        logs = {p: Path(tmp) / f"process-{p}.log" for p, share in enumerate(shares) if share}
+        children = {}
+        for p in logs:
+            with logs[p].open("wb") as log:
+                children[p] = subprocess.Popen(
+                    [sys.executable, "-m", __name__, tmp, str(p), str(shares[p])],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+        try:
+            while any(child.poll() is None for child in children.values()):
+                time.sleep(1.0)
+                if on_update is not None:
+                    on_update(_collect(tmp))
+        finally:
+            for child in children.values():
+                if child.poll() is None:  # interrupted: leave no process behind
+                    child.kill()
+                    child.wait()
+        total = _collect(tmp)
+        failed = [p for p, child in children.items() if child.returncode != 0]
+        if failed:
+            output = logs[failed[0]].read_text(errors="replace")
+            raise RuntimeError(
+                f"{len(failed)} of {len(children)} survey processes failed (process "
+                f"{failed[0]}: exit {children[failed[0]].returncode}):\n{output[-4000:]}"
+            )
+        return total
+
+
+def _process_main(directory: str, process: int, examples: int) -> None:
+    """One process of ``run_in_processes``: its campaign, kept as ``shard-N.json``."""
+    from tqbatch.testing import backend
+    from tqbatch.testing.impl import load_impl
+
+    backend.select_device()  # the parent's, through $TQBATCH_DEVICE
+    cfg = json.loads((Path(directory) / "config.json").read_text())
+    out = Path(directory) / f"shard-{process}.json"
+
+    def save(result: CampaignResult) -> None:
+        data = result.to_json()
+        data["shards"] = [
+            {
+                "shard": process,
+                "examples": result.examples,
+                "replayed": result.replayed,
+                "failures": len(result.failures),
+                "seconds": result.seconds,
+            }
+        ]
+        partial = out.with_suffix(".tmp")
+        partial.write_text(json.dumps(data))
+        partial.replace(out)  # the parent never reads half a file
+
+    impl = load_impl(cfg["impl"])
+    seed = cfg["seed"] * 1000 + process
+    save(run_campaign(impl, examples=examples, seed=seed, on_example=save, **cfg["campaign"]))
+
+
+if __name__ == "__main__":
+    _process_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

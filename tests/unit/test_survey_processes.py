@@ -1,0 +1,74 @@
+"""The survey spread over processes (``tqbatch.testing.shards.run_in_processes``)."""
+
+from __future__ import annotations
+
+import pytest
+
+import tqbatch
+from tqbatch.conformance.test_state_machine import _importable_spec
+from tqbatch.testing.campaign import run_campaign
+from tqbatch.testing.known_failures import failure_key
+from tqbatch.testing.mutants import MUTANTS
+from tqbatch.testing.shards import run_in_processes
+
+MUTANT = "tqbatch.testing.mutants:HasIdxAttribute"  # found in the first examples
+CAMPAIGN = dict(profile="ci", survey=True)
+
+
+def _summary(result):
+    return (
+        result.examples,
+        dict(result.op_counts),
+        sorted((failure_key(f), len(f["ops"])) for f in result.failures),
+    )
+
+
+def test_each_process_runs_its_share_under_its_own_seed():
+    """Two processes are the in-process campaigns of seeds 1000s and 1000s + 1, added up:
+    the same examples, op counts and failures, whatever the machine."""
+    spread = run_in_processes(MUTANT, processes=2, examples=5, seed=3, campaign=CAMPAIGN)
+    first = run_campaign(MUTANTS["HasIdxAttribute"], examples=3, seed=3000, **CAMPAIGN)
+    second = run_campaign(MUTANTS["HasIdxAttribute"], examples=2, seed=3001, **CAMPAIGN)
+    first.absorb(second)
+    assert spread.failures, "the mutant's failure was not found"
+    assert _summary(spread) == _summary(first)
+    assert sorted(s["shard"] for s in spread.shards) == [0, 1]
+
+
+def test_progress_is_reported_while_running():
+    seen = []
+    run_in_processes(
+        "tqbatch:BatchTurboQuantKVCache",
+        processes=2,
+        examples=4,
+        seed=0,
+        campaign=CAMPAIGN,
+        on_update=lambda result: seen.append(result.examples),
+    )
+    assert seen and seen == sorted(seen)
+
+
+def test_a_process_that_fails_is_reported_with_its_output():
+    with pytest.raises(RuntimeError, match=r"(?s)survey processes failed.*no_such_module"):
+        run_in_processes("no_such_module:Cache", processes=2, examples=2, seed=0, campaign=CAMPAIGN)
+
+
+def test_more_processes_than_examples_start_only_those_with_a_share():
+    result = run_in_processes(
+        "tqbatch:BatchTurboQuantKVCache", processes=3, examples=1, seed=0, campaign=CAMPAIGN
+    )
+    assert result.examples == 1 and [s["shard"] for s in result.shards] == [0]
+
+
+def test_processes_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+        run_in_processes("tqbatch:BatchTurboQuantKVCache", processes=0, examples=1, seed=0,
+                         campaign=CAMPAIGN)  # fmt: skip
+
+
+def test_a_class_no_import_reaches_runs_in_the_test_process():
+    class Local(tqbatch.BatchTurboQuantKVCache):
+        pass
+
+    assert _importable_spec(Local) is None
+    assert _importable_spec(tqbatch.BatchTurboQuantKVCache) is not None
