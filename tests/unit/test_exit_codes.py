@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = golden.DIRECTORY
 SIZE = "16_size_is_written_end_int_at_batch"  # merge, filter, update, attend
 NO_MERGE = "19_batch_one_left_padding"  # new, prepare, update, attend, extract
+# Members in full precision, which only Impl.merge quantizes: skipped without merge.
+MERGE_ONLY = "23_full_precision_members_quantized_on_the_way_in"
 MUTANT = "tqbatch.testing.mutants:SizeAsArray"
 HARNESS_ERROR = re.compile(
     r"tqbatch fuzz: needs the harness extra \(missing: (?P<package>[\w-]+)\): "
@@ -262,11 +264,11 @@ def test_5_replay_of_nothing(tmp_path, targets, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert cli.main(["replay", str(empty)]) == ExitCode.NOTHING_CHECKED
-    # Every scenario skipped (the target has no merge): nothing checked...
-    only = _copy(tmp_path / "only", SIZE)
+    # Every scenario skipped (the target has no merge, which it needs): nothing checked...
+    only = _copy(tmp_path / "only", MERGE_ONLY)
     assert cli.main(["replay", "--impl", "targets:WithoutMerge", str(only)]) == 5  # not 3
     # ...but some skipped and the rest green is clean: the skipped are counted.
-    some = _copy(tmp_path / "some", SIZE, NO_MERGE)
+    some = _copy(tmp_path / "some", MERGE_ONLY, NO_MERGE)
     capsys.readouterr()
     assert cli.main(["replay", "--impl", "targets:WithoutMerge", str(some)]) == ExitCode.OK
     assert "1 passed, 0 diverged, 1 skipped" in capsys.readouterr().out
