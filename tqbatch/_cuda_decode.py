@@ -10,15 +10,15 @@ basis under an online softmax, one small kernel that merges the token splits,
 and the codec's inverse rotation, once.
 
 ``mode()`` says which path a decode step takes (``TQBATCH_DECODE_KERNEL``,
-read at each call: ``vectorized`` (default) never takes it, ``auto`` takes
-the kernel on a CUDA GPU for the shapes it supports, ``fused`` takes it
-wherever it is supported and raises elsewhere). The default stays
-``vectorized`` until the kernel has passed its equivalence property on a GPU
-(``tests/unit/test_cuda_decode.py``): it has so far been compiled with nvcc
-and run under a CPU emulation only, and an unverified kernel must not change
-what a server computes. ``supports`` is the shape and
-codec gate; ``attend`` returns None where the kernel is not taken, so the
-caller keeps its path.
+read at each call: ``auto`` (default) takes the kernel where MLX's default
+device is a CUDA GPU and the step is one ``supports`` accepts, ``fused``
+takes it wherever it is supported and raises elsewhere, ``vectorized`` never
+takes it). The default is ``auto`` because the kernel has passed its
+equivalence property against the vectorized path on an NVIDIA GPU
+(``tests/unit/test_cuda_decode.py``; docs/gpu.md has the run); on a CPU or
+a Mac's GPU (Metal) ``available`` is false and nothing here runs.
+``supports`` is the shape and codec gate; ``attend`` returns None where the
+kernel is not taken, so the caller keeps its path.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ __all__ = ["MODES", "attend", "available", "mode", "supports"]
 
 MODES = ("auto", "fused", "vectorized")
 _ENV = "TQBATCH_DECODE_KERNEL"
-# Opt-in until the kernel has run its equivalence property on a GPU (see above).
-_DEFAULT = "vectorized"
+# The kernel where it runs (a CUDA GPU): it computes what the vectorized path
+# computes, within rounding (the equivalence property, run on an H100).
+_DEFAULT = "auto"
 
 # Threads per block, and tokens per tile: one token per thread while scoring,
 # one value coordinate per thread while accumulating (so value dims <= 128).
@@ -50,7 +51,7 @@ _TARGET_BLOCKS = 264
 
 
 def mode() -> str:
-    """``TQBATCH_DECODE_KERNEL`` (read now): auto, fused or vectorized (default)."""
+    """``TQBATCH_DECODE_KERNEL`` (read now): auto (default), fused or vectorized."""
     value = os.environ.get(_ENV, _DEFAULT).strip().lower() or _DEFAULT
     if value not in MODES:
         raise ValueError(f"{_ENV}={value!r}: expected one of {', '.join(MODES)}")
