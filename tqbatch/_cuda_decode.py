@@ -10,13 +10,12 @@ basis under an online softmax, one small kernel that merges the token splits,
 and the codec's inverse rotation, once.
 
 ``mode()`` says which path a decode step takes (``TQBATCH_DECODE_KERNEL``,
-read at each call: ``auto`` (default) takes the kernel where MLX's default
+read at each call: ``auto`` takes the kernel where MLX's default
 device is a CUDA GPU and the step is one ``supports`` accepts, ``fused``
 takes it wherever it is supported and raises elsewhere, ``vectorized`` never
-takes it). The default is ``auto`` because the kernel has passed its
-equivalence property against the vectorized path on an NVIDIA GPU
-(``tests/unit/test_cuda_decode.py``; docs/gpu.md has the run); on a CPU or
-a Mac's GPU (Metal) ``available`` is false and nothing here runs.
+takes it, and is the default until the equivalence property in
+``tests/unit/test_cuda_decode.py`` has passed on a GPU). On a CPU or a Mac's
+GPU (Metal) ``available`` is false and nothing here runs, whatever the mode.
 ``supports`` is the shape and codec gate; ``attend`` returns None where the
 kernel is not taken, so the caller keeps its path.
 """
@@ -36,9 +35,9 @@ __all__ = ["MODES", "attend", "available", "mode", "supports"]
 
 MODES = ("auto", "fused", "vectorized")
 _ENV = "TQBATCH_DECODE_KERNEL"
-# The kernel where it runs (a CUDA GPU): it computes what the vectorized path
-# computes, within rounding (the equivalence property, run on an H100).
-_DEFAULT = "auto"
+# Opt-in until the equivalence property has passed on a GPU: its first run (an
+# H100) stopped at the combine kernel's compile (fixed since, not yet re-run).
+_DEFAULT = "vectorized"
 
 # Threads per block, and tokens per tile: one token per thread while scoring,
 # one value coordinate per thread while accumulating (so value dims <= 128).
@@ -51,7 +50,7 @@ _TARGET_BLOCKS = 264
 
 
 def mode() -> str:
-    """``TQBATCH_DECODE_KERNEL`` (read now): auto (default), fused or vectorized."""
+    """``TQBATCH_DECODE_KERNEL`` (read now): auto, fused or vectorized (default)."""
     value = os.environ.get(_ENV, _DEFAULT).strip().lower() or _DEFAULT
     if value not in MODES:
         raise ValueError(f"{_ENV}={value!r}: expected one of {', '.join(MODES)}")
@@ -390,4 +389,5 @@ def _combine_kernel():
         input_names=["pacc", "pm", "pl"],
         output_names=["out"],
         source=_COMBINE,
+        header=_HEADER,  # TQ_NEG_INF: NVRTC has no INFINITY (seen failing on an H100)
     )

@@ -250,7 +250,7 @@ def test_a_cache_decode_step_reaches_the_kernel_with_its_rows_where_available(mo
     assert len(calls) == 1
 
 
-def test_by_default_a_decode_step_takes_the_kernel_where_available(monkeypatch):
+def test_under_auto_a_decode_step_takes_the_kernel_where_available(monkeypatch):
     # The default is auto: the kernel wherever MLX's default device is a CUDA GPU
     # ("available" pretended here; the vectorized path answers for the kernel).
     monkeypatch.setattr(_cuda_decode, "available", lambda: True)
@@ -261,7 +261,7 @@ def test_by_default_a_decode_step_takes_the_kernel_where_available(monkeypatch):
         return _codec.attend_plain(queries, keys, values, kc, vc, scale, mask)
 
     monkeypatch.setattr(_cuda_decode, "_fused", record)
-    monkeypatch.delenv("TQBATCH_DECODE_KERNEL", raising=False)
+    monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")
     cache, q, ks, vs, mask = _cache_decode_step()
     mx.eval(cache.decode_attention(q, ks, vs, scale=0.125, mask=mask))
     assert len(calls) == 1
@@ -287,8 +287,7 @@ def test_by_default_cpu_and_metal_never_reach_the_kernel(monkeypatch, device):
         # Only the kernel's own check sees the pretended GPU; the work runs here.
         monkeypatch.setattr(_cuda_decode.mx, "default_device", lambda: mx.Device(mx.gpu))
     monkeypatch.setattr(_cuda_decode, "_fused", lambda *a: pytest.fail("kernel reached"))
-    monkeypatch.delenv("TQBATCH_DECODE_KERNEL", raising=False)
-    assert _cuda_decode.mode() == "auto"
+    monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")  # what the default will be on CUDA
     assert not _cuda_decode.available()
     queries, keys, values, kc, vc = _step()
     assert _cuda_decode.supports(queries, keys, values, kc, vc, None)
@@ -302,9 +301,9 @@ def test_by_default_cpu_and_metal_never_reach_the_kernel(monkeypatch, device):
 
 def test_mode_is_read_at_call_time_and_checked(monkeypatch):
     monkeypatch.delenv("TQBATCH_DECODE_KERNEL", raising=False)
-    assert _cuda_decode.mode() == "auto"  # the kernel where it runs
+    assert _cuda_decode.mode() == "vectorized"  # opt-in until verified on a GPU
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "")
-    assert _cuda_decode.mode() == "auto"
+    assert _cuda_decode.mode() == "vectorized"
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "Vectorized")
     assert _cuda_decode.mode() == "vectorized"
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "fast")
