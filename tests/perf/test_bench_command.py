@@ -109,9 +109,31 @@ def test_bench_decode_prints_the_decode_table():
     assert cells[6:8] == ["4.3", "16.8"]
 
 
-def test_bench_decode_refuses_plot(tmp_path):
-    done = _tqbatch("bench", "--decode", "--plot", str(tmp_path / "x.png"))
-    assert done.returncode == 2 and "--plot" in done.stderr
+@pytest.mark.parametrize("kernel", [False, True], ids=["decode", "decode-kernel"])
+def test_bench_decode_plots_the_ratio_to_float16(tmp_path, kernel):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "decode.png"
+    flags = ["--kernel"] if kernel else []
+    done = _tqbatch("bench", "--decode", *flags, "--rounds", "1", "--plot", str(png))
+    assert done.returncode == 0, done.stderr
+    assert f"plot written to {png}" in done.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decode_plot_draws_each_batch_and_path(tmp_path, monkeypatch):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    drawn = []
+    real = plt.Axes.plot
+    monkeypatch.setattr(
+        plt.Axes, "plot", lambda ax, *a, **k: drawn.append(k.get("label")) or real(ax, *a, **k)
+    )
+    rows = [
+        bench.KernelRow(bench.Geometry(b, 8, 128, t, 4, 32), 0.001 * t / 1024, 0.002, 0.001)
+        for b in (1, 8)
+        for t in (1024, 4096)
+    ]
+    bench.plot_decode(rows, str(tmp_path / "k.png"))
+    assert drawn == ["fused, B=1", "vectorized, B=1", "fused, B=8", "vectorized, B=8"]
 
 
 def test_decode_goals_and_bytes_follow_the_issue():

@@ -72,10 +72,15 @@ def register(subparsers) -> None:
         "--kernel",
         action="store_true",
         help="with --decode: the decode step under the fused CUDA kernel, the vectorized "
-        "path and float16 BatchKVCache, in one run (B=8, bits 4 and 8, contexts 1024, 4096 "
-        "and 32768; without --full on a machine with no CUDA GPU: 512 tokens, 4 bits)",
+        "path and float16 BatchKVCache, in one run, with the bytes a step reads (B 1, 8 and "
+        "32, bits 4 and 8, contexts 1024 to 32768 in powers of two; without --full on a "
+        "machine with no CUDA GPU: B=8, 512 tokens, 4 bits)",
     )
-    parser.add_argument("--plot", metavar="OUT.png", help="also plot op cost against context")
+    parser.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="also plot op cost against context (with --decode: the ratio to float16)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -87,24 +92,31 @@ def _decode_kernel(args, impl, name, progress) -> int:
     if args.rounds is not None:
         grid = dataclasses.replace(grid, rounds=args.rounds)
     rows = bench.compare_decode_kernel(grid, impl=impl, progress=progress)
-    table = bench.decode_kernel_table(rows)
+    # The floor a step's packed reads set, against this device's own copy rate.
+    bandwidth = bench.copy_bandwidth() if _cuda_decode.available() else None
+    table = bench.decode_kernel_table(rows, bandwidth)
     print(f"backend: {describe_line(args.backend)}")
     print(
         f"target: {name}; median of {grid.rounds} rounds, paths interleaved; fused and "
         "vectorized: TQBATCH_DECODE_KERNEL; float16: mlx-lm's BatchKVCache + SDPA"
     )
+    if bandwidth:
+        print(
+            f"device copy: {bandwidth / 1e12:.2f} TB/s (read + written); packed floor: the "
+            "step's packed bytes at that rate; goals as set for an H200"
+        )
     print()
     print(table)
     step_summary(f"### tqbatch bench --decode --kernel\n\n{name}\n\n{table}")
+    if args.plot:
+        bench.plot_decode(rows, args.plot)
+        print(f"\nplot written to {args.plot}")
     return ExitCode.OK
 
 
 def run(args) -> int:
     if args.kernel and not args.decode:
         print("tqbatch bench: --kernel times the decode step; add --decode", file=sys.stderr)
-        return ExitCode.USAGE
-    if args.decode and args.plot:
-        print("tqbatch bench: --plot draws the op table; drop it with --decode", file=sys.stderr)
         return ExitCode.USAGE
     if args.plot:
         # Fail before minutes of timing, not after.
@@ -152,6 +164,9 @@ def run(args) -> int:
         print()
         print(bench.decode_table(rows))
         step_summary(f"### tqbatch bench --decode\n\n{name}\n\n{bench.decode_table(rows)}")
+        if args.plot:
+            bench.plot_decode(rows, args.plot)
+            print(f"\nplot written to {args.plot}")
         return ExitCode.OK
 
     rows = bench.compare(

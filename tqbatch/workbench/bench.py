@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_map
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.models.base import scaled_dot_product_attention
@@ -191,12 +190,18 @@ class Workload:
 
     # ------------------------------------------------------------ pools
 
-    @cached_property
-    def _rng(self) -> np.random.Generator:
-        return np.random.default_rng(self.seed)
+    def _key(self) -> mx.array:
+        """The next key of this workload's stream (from ``seed``). Pools are drawn on the
+        default device: numpy would spend tens of seconds on B = 32 at 32k tokens."""
+        state = self.__dict__.get("_stream")
+        if state is None:
+            state = mx.random.key(self.seed)
+        state, key = mx.random.split(state)
+        self.__dict__["_stream"] = state
+        return key
 
     def _normal(self, shape) -> mx.array:
-        return mx.array(self._rng.standard_normal(shape, dtype=np.float32)).astype(mx.float16)
+        return mx.random.normal(shape, dtype=mx.float16, key=self._key())
 
     @cached_property
     def fp_pool(self) -> tuple[mx.array, mx.array]:
@@ -229,11 +234,16 @@ class Workload:
         def fill(leaf):
             shape = (g.batch, g.heads, g.context, *leaf.shape[3:])
             if leaf.dtype == mx.uint32:
-                return mx.array(self._rng.integers(0, 2**32, size=shape, dtype=np.uint32))
+                # Every bit pattern: two 16-bit halves (randint draws through floats).
+                hi, lo = (
+                    mx.random.randint(0, 2**16, shape, dtype=mx.uint32, key=self._key())
+                    for _ in range(2)
+                )
+                return (hi << 16) | lo
             # Norms: positive, near a unit vector's scale times sqrt(D).
             scale = math.sqrt(g.head_dim)
-            norms = self._rng.uniform(0.5 * scale, 1.5 * scale, size=shape)
-            return mx.array(norms.astype(np.float32)).astype(leaf.dtype)
+            norms = mx.random.uniform(0.5 * scale, 1.5 * scale, shape, key=self._key())
+            return norms.astype(leaf.dtype)
 
         return tree_map(fill, state)
 
@@ -551,9 +561,16 @@ def compare_decode(
 
 
 # The fused CUDA decode kernel beside tqbatch's vectorized path and float16:
-# B = 8, 32 query heads over 8 KV heads, D = 128, at 1k, 4k and 32k tokens.
+# B = 1, 8 and 32, 32 query heads over 8 KV heads, D = 128, 1k to 32k tokens.
 DECODE_KERNEL = ParameterSet(
-    "decode-kernel", (8,), 8, 128, (1024, 4096, 32768), (4, 8), rounds=10, query_heads=32
+    "decode-kernel",
+    (1, 8, 32),
+    8,
+    128,
+    (1024, 2048, 4096, 8192, 16384, 32768),
+    (4, 8),
+    rounds=10,
+    query_heads=32,
 )
 # Small enough for a CPU (where only the vectorized path and float16 run).
 DECODE_KERNEL_SMALL = ParameterSet(
@@ -619,24 +636,63 @@ def compare_decode_kernel(
     return rows
 
 
-def decode_kernel_table(rows: Sequence[KernelRow]) -> str:
-    """The three decode paths as a markdown table of milliseconds and ratios to float16."""
+def copy_bandwidth(megabytes: int = 1024, rounds: int = 10) -> float:
+    """Bytes per second a device-to-device copy moves on the default device, counting
+    bytes read plus bytes written (median of ``rounds``): the ceiling a decode step's
+    reads are held against."""
+    n = megabytes * 2**20 // 4
+    src = mx.random.uniform(shape=(n,))
+    mx.eval(src)
+    mx.eval(src + 1)  # warm up
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        mx.eval(src + 1)
+        times.append(time.perf_counter() - start)
+    return 2 * n * 4 / statistics.median(times)
+
+
+def kernel_goal(geometry: Geometry) -> float | None:
+    """fused / float16 goals (set for an H200): B = 8, 4 bits: <= 1.0 at 4096 tokens and
+    <= 0.6 at 32768; 8 bits: <= 1.2 at 4096. None elsewhere in the grid."""
+    g = geometry
+    if g.batch != 8:
+        return None
+    return {(4, 4096): 1.0, (4, 32768): 0.6, (8, 4096): 1.2}.get((g.bits, g.context))
+
+
+def decode_kernel_table(rows: Sequence[KernelRow], bandwidth: float | None = None) -> str:
+    """The three decode paths as a markdown table of milliseconds and ratios to float16,
+    with the bytes a step must read on each side and, given the device's copy
+    ``bandwidth`` (bytes/s, read + written), the time those packed bytes take to read."""
+    floor_head = " | packed floor (ms)" if bandwidth else ""
     lines = [
         "| B | context | bits | fused (ms) | vectorized (ms) | float16 (ms) | fused / float16 "
-        "| vectorized / float16 | fused speed-up |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| vectorized / float16 | fused speed-up | read/step: packed (MB) | float16 (MB)"
+        f"{floor_head} | goal |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---:|" if bandwidth else "")
+        + "---|",
     ]
     for r in rows:
         g = r.geometry
+        want = kernel_goal(g)
         if r.fused is None:
             fused = ratio = speedup = "n/a"
+            verdict = "" if want is None else f"<= {want:g} not measured"
         else:
             fused = _ms(r.fused)
             ratio = f"{r.fused / r.float16:.2f}"
             speedup = f"{r.vectorized / r.fused:.2f}x"
+            verdict = ""
+            if want is not None:
+                verdict = f"<= {want:g} {'met' if r.fused / r.float16 <= want else 'missed'}"
+        floor = f" | {_ms(packed_bytes_read(g) / bandwidth)}" if bandwidth else ""
         lines.append(
             f"| {g.batch} | {g.context} | {g.bits} | {fused} | {_ms(r.vectorized)} | "
-            f"{_ms(r.float16)} | {ratio} | {r.vectorized / r.float16:.2f} | {speedup} |"
+            f"{_ms(r.float16)} | {ratio} | {r.vectorized / r.float16:.2f} | {speedup} | "
+            f"{packed_bytes_read(g) / 1e6:.1f} | {float16_bytes_read(g) / 1e6:.1f}{floor} | "
+            f"{verdict} |"
         )
     return "\n".join(lines)
 
@@ -763,5 +819,49 @@ def plot(rows: Sequence[Row], path: str) -> None:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize="small")
     fig.tight_layout(rect=(0, 0.12, 1, 1))  # leave the bottom strip to the legend
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_decode(rows: Sequence[Row | KernelRow], path: str) -> None:
+    """Write a PNG of a decode step's time over float16 ``BatchKVCache``'s against context,
+    one panel per bit width, one colour per batch size: the fused kernel solid and the
+    vectorized path dashed (``--kernel``), or the target solid (plain ``--decode``)."""
+    plt = require_matplotlib()
+    bit_widths = sorted({r.geometry.bits for r in rows})
+    fig, axes = plt.subplots(
+        1, len(bit_widths), figsize=(6 * len(bit_widths), 4.5), squeeze=False, sharey=True
+    )
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, bits in zip(axes[0], bit_widths):
+        batches = sorted({r.geometry.batch for r in rows if r.geometry.bits == bits})
+        for i, batch in enumerate(batches):
+            mine = sorted(
+                (r for r in rows if r.geometry.bits == bits and r.geometry.batch == batch),
+                key=lambda r: r.geometry.context,
+            )
+            contexts = [r.geometry.context for r in mine]
+            color = colors[i % len(colors)]
+            if isinstance(mine[0], KernelRow):
+                if all(r.fused is not None for r in mine):
+                    ratios = [r.fused / r.float16 for r in mine]
+                    ax.plot(contexts, ratios, "o-", color=color, label=f"fused, B={batch}")
+                ratios = [r.vectorized / r.float16 for r in mine]
+                ax.plot(
+                    contexts, ratios, "s--", color=color, alpha=0.6, label=f"vectorized, B={batch}"
+                )
+            else:
+                ratios = [r.ratio for r in mine]
+                ax.plot(contexts, ratios, "o-", color=color, label=f"B={batch}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(f"{bits}-bit decode step / float16 BatchKVCache")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("time ratio to float16 (below 1: faster)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize="small")
+    fig.tight_layout(rect=(0, 0.16, 1, 1))  # leave the bottom strip to the legend
     fig.savefig(path, dpi=120)
     plt.close(fig)
