@@ -98,6 +98,29 @@ def run_shards(options: dict, progress_update: Callable[[int], None]) -> Campaig
         return total
 
 
+def _saver(directory: Path, shard: int) -> Callable[[CampaignResult], None]:
+    """Writes a shard's result so far as ``shard-N.json``, with its summary, whole or not at all
+    (the parent polls the file while the shard runs)."""
+    out = directory / f"shard-{shard}.json"
+
+    def save(result: CampaignResult) -> None:
+        data = result.to_json()
+        data["shards"] = [
+            {
+                "shard": shard,
+                "examples": result.examples,
+                "replayed": result.replayed,
+                "failures": len(result.failures),
+                "seconds": result.seconds,
+            }
+        ]
+        partial = out.with_suffix(".tmp")
+        partial.write_text(json.dumps(data))
+        partial.replace(out)
+
+    return save
+
+
 def _collect(directory) -> CampaignResult:
     total = CampaignResult()
     for path in sorted(Path(directory).glob("shard-*.json")):
@@ -120,20 +143,7 @@ def test_fuzz_shard(shard):
 
     backend.select_device()  # the parent's --device, passed down as $TQBATCH_DEVICE
     cfg = json.loads(os.environ[_ENV])
-    out = Path(cfg["dir"]) / f"shard-{shard}.json"
-
-    def save(result):
-        data = result.to_json()
-        data["shards"] = [
-            {
-                "shard": shard,
-                "examples": result.examples,
-                "replayed": result.replayed,
-                "failures": len(result.failures),
-                "seconds": result.seconds,
-            }
-        ]
-        out.write_text(json.dumps(data))
+    save = _saver(Path(cfg["dir"]), shard)
 
     examples = cfg["shard_examples"]
     options = dict(cfg["options"], examples=None if examples is None else examples[shard])
@@ -218,22 +228,7 @@ def _process_main(directory: str, process: int, examples: int) -> None:
 
     backend.select_device()  # the parent's, through $TQBATCH_DEVICE
     cfg = json.loads((Path(directory) / "config.json").read_text())
-    out = Path(directory) / f"shard-{process}.json"
-
-    def save(result: CampaignResult) -> None:
-        data = result.to_json()
-        data["shards"] = [
-            {
-                "shard": process,
-                "examples": result.examples,
-                "replayed": result.replayed,
-                "failures": len(result.failures),
-                "seconds": result.seconds,
-            }
-        ]
-        partial = out.with_suffix(".tmp")
-        partial.write_text(json.dumps(data))
-        partial.replace(out)  # the parent never reads half a file
+    save = _saver(Path(directory), process)
 
     impl = load_impl(cfg["impl"])
     seed = cfg["seed"] * 1000 + process
