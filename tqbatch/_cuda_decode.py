@@ -205,16 +205,18 @@ __device__ __forceinline__ float tq_warp_sum(float v) {
 # (B, Hkv, G, DK) float32 rotated and scaled; codes (B, Hkv, T, W) uint32 and
 # norms (B, Hkv, T) float16, both addressed through their strides, because the
 # cache hands over a token slice of a larger buffer and a copy would cost a
-# whole cache read per step. Per 128-token tile: each thread scores one token
-# for all G heads (its key row's words in registers, codebook and query in
-# shared memory), the block takes each head's tile max (online softmax), each
-# thread turns its scores into weights, then each thread owns one value
-# coordinate and sums weight * value-norm * codebook over the tile's tokens
-# (adjacent threads read adjacent words of one value row: coalesced).
+# whole cache read per step. Per 128-token tile: the block copies the tile's
+# packed value rows to shared memory (coalesced: adjacent threads, adjacent
+# words; in flight during the scoring), each thread scores one token for all G
+# heads (its key row's words in registers, codebook and query in shared
+# memory), the block takes each head's tile max (online softmax), each thread
+# turns its scores into weights, then each thread owns one value coordinate and
+# sums weight * value-norm * codebook over the tile's tokens from shared memory.
 # Outputs per (row, head, query head, split): the unnormalized rotated
 # accumulator, the running max and the weight sum.
 _PARTIAL = r"""
   constexpr int WK = (DK * KB + 31) / 32;
+  constexpr int WV = (DV * VB + 31) / 32;
   constexpr int NW = NT / 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -225,6 +227,7 @@ _PARTIAL = r"""
   __shared__ float kcb_s[1 << KB];
   __shared__ float vcb_s[1 << VB];
   __shared__ float p_s[G][NT];
+  __shared__ uint32_t v_s[NT][WV];  // the tile's packed value rows (<= 16 kB)
   __shared__ float m_s[G];
   __shared__ float alpha_s[G];
   __shared__ float red_s[G][NW];
@@ -263,6 +266,13 @@ _PARTIAL = r"""
   __syncthreads();
 
   for (int t0 = lo; t0 < hi; t0 += NT) {
+    const int n = hi - t0 < NT ? hi - t0 : NT;
+    // The tile's value rows into shared memory, all threads at once (adjacent
+    // threads, adjacent words): these loads are in flight while the keys are scored.
+    for (int i = tid; i < n * WV; i += NT) {
+      const int j = i / WV, k = i - j * WV;
+      v_s[j][k] = vw[vw_base + (long)(t0 + j) * vw_strides[2] + (long)k * vw_strides[3]];
+    }
     // Scores: one token per thread.
     const int t = t0 + tid;
     const bool live = t < hi;
@@ -316,11 +326,10 @@ _PARTIAL = r"""
     if (tid < DV) {
       #pragma unroll
       for (int g = 0; g < G; ++g) acc[g] *= alpha_s[g];
-      const int n = hi - t0 < NT ? hi - t0 : NT;
+      #pragma unroll 4
       for (int j = 0; j < n; ++j) {
-        const long row = vw_base + (long)(t0 + j) * vw_strides[2];
-        uint32_t x = vw[row + (long)vword * vw_strides[3]] >> voff;
-        if (vspill) x |= vw[row + (long)(vword + 1) * vw_strides[3]] << (32 - voff);
+        uint32_t x = v_s[j][vword] >> voff;
+        if (vspill) x |= v_s[j][vword + 1] << (32 - voff);
         const float c = vcb_s[x & ((1u << VB) - 1u)];
         #pragma unroll
         for (int g = 0; g < G; ++g) acc[g] = fmaf(p_s[g][j], c, acc[g]);

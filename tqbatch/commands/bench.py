@@ -77,6 +77,21 @@ def register(subparsers) -> None:
         "machine with no CUDA GPU: B=8, 512 tokens, 4 bits)",
     )
     parser.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        metavar="B",
+        help="with --decode: only these batch sizes of the grid (e.g. to split a long "
+        "--kernel run in parts)",
+    )
+    parser.add_argument(
+        "--bits",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="with --decode: only these bit widths of the grid",
+    )
+    parser.add_argument(
         "--plot",
         metavar="OUT.png",
         help="also plot op cost against context (with --decode: the ratio to float16)",
@@ -84,17 +99,25 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def _select(grid, args):
+    """``grid`` cut to ``--batch`` and ``--bits`` (each kept as given where absent)."""
+    if args.batch:
+        grid = dataclasses.replace(grid, batches=tuple(args.batch))
+    if args.bits:
+        grid = dataclasses.replace(grid, bits=tuple(args.bits))
+    return grid
+
+
 def _decode_kernel(args, impl, name, progress) -> int:
     from tqbatch import _cuda_decode
 
     full = args.full or _cuda_decode.available()
     grid = bench.DECODE_KERNEL if full else bench.DECODE_KERNEL_SMALL
+    grid = _select(grid, args)
     if args.rounds is not None:
         grid = dataclasses.replace(grid, rounds=args.rounds)
-    rows = bench.compare_decode_kernel(grid, impl=impl, progress=progress)
     # The floor a step's packed reads set, against this device's own copy rate.
     bandwidth = bench.copy_bandwidth() if _cuda_decode.available() else None
-    table = bench.decode_kernel_table(rows, bandwidth)
     print(f"backend: {describe_line(args.backend)}")
     print(
         f"target: {name}; median of {grid.rounds} rounds, paths interleaved; fused and "
@@ -106,7 +129,15 @@ def _decode_kernel(args, impl, name, progress) -> int:
             "step's packed bytes at that rate; goals as set for an H200"
         )
     print()
-    print(table)
+    # Each line as soon as its geometry is measured: a run cut short keeps its numbers.
+    print(bench.decode_kernel_header(bandwidth), flush=True)
+    rows = bench.compare_decode_kernel(
+        grid,
+        impl=impl,
+        progress=progress,
+        on_row=lambda row: print(bench.decode_kernel_line(row, bandwidth), flush=True),
+    )
+    table = bench.decode_kernel_table(rows, bandwidth)
     step_summary(f"### tqbatch bench --decode --kernel\n\n{name}\n\n{table}")
     if args.plot:
         bench.plot_decode(rows, args.plot)
@@ -117,6 +148,12 @@ def _decode_kernel(args, impl, name, progress) -> int:
 def run(args) -> int:
     if args.kernel and not args.decode:
         print("tqbatch bench: --kernel times the decode step; add --decode", file=sys.stderr)
+        return ExitCode.USAGE
+    if (args.batch or args.bits) and not args.decode:
+        print(
+            "tqbatch bench: --batch and --bits select the decode grid; add --decode",
+            file=sys.stderr,
+        )
         return ExitCode.USAGE
     if args.plot:
         # Fail before minutes of timing, not after.
@@ -155,6 +192,7 @@ def run(args) -> int:
     if args.decode and args.kernel:
         return _decode_kernel(args, impl, name, progress)
     if args.decode:
+        grid = _select(grid, args)
         rows = bench.compare_decode(grid, impl=impl, progress=progress)
         print(f"backend: {describe_line(args.backend)}")
         print(

@@ -607,11 +607,15 @@ def _under_mode(case: Case, mode: str) -> Case:
 
 
 def compare_decode_kernel(
-    grid: ParameterSet, impl: type | None = None, progress: Callable[[str], None] | None = None
+    grid: ParameterSet,
+    impl: type | None = None,
+    progress: Callable[[str], None] | None = None,
+    on_row: Callable[[KernelRow], None] | None = None,
 ) -> list[KernelRow]:
     """Time a decode step (mask, write, attend) under the fused kernel, the vectorized
     path and float16 ``BatchKVCache`` for each geometry; the fused side only where MLX's
-    default device is CUDA."""
+    default device is CUDA. ``on_row`` gets each row as soon as it is measured (a run cut
+    short still leaves the rows it finished)."""
     from tqbatch import _cuda_decode
 
     impl = impl or load_impl()
@@ -631,6 +635,8 @@ def compare_decode_kernel(
         medians = [statistics.median(side) for side in zip(*samples)]
         fused = medians.pop(0) if fused_ok else None
         rows.append(KernelRow(geometry, fused, *medians))
+        if on_row:
+            on_row(rows[-1])
         del workload, cases, target
         gc.collect()
     return rows
@@ -661,39 +667,51 @@ def kernel_goal(geometry: Geometry) -> float | None:
     return {(4, 4096): 1.0, (4, 32768): 0.6, (8, 4096): 1.2}.get((g.bits, g.context))
 
 
+def decode_kernel_header(bandwidth: float | None = None) -> str:
+    """The two header lines of ``decode_kernel_table`` (with a packed-floor column given
+    the device's copy ``bandwidth``)."""
+    floor_head = " | packed floor (ms)" if bandwidth else ""
+    return "\n".join(
+        [
+            "| B | context | bits | fused (ms) | vectorized (ms) | float16 (ms) | fused / float16 "
+            "| vectorized / float16 | fused speed-up | read/step: packed (MB) | float16 (MB)"
+            f"{floor_head} | goal |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            + ("---:|" if bandwidth else "")
+            + "---|",
+        ]
+    )
+
+
+def decode_kernel_line(r: KernelRow, bandwidth: float | None = None) -> str:
+    """One geometry's line of ``decode_kernel_table``."""
+    g = r.geometry
+    want = kernel_goal(g)
+    if r.fused is None:
+        fused = ratio = speedup = "n/a"
+        verdict = "" if want is None else f"<= {want:g} not measured"
+    else:
+        fused = _ms(r.fused)
+        ratio = f"{r.fused / r.float16:.2f}"
+        speedup = f"{r.vectorized / r.fused:.2f}x"
+        verdict = ""
+        if want is not None:
+            verdict = f"<= {want:g} {'met' if r.fused / r.float16 <= want else 'missed'}"
+    floor = f" | {_ms(packed_bytes_read(g) / bandwidth)}" if bandwidth else ""
+    return (
+        f"| {g.batch} | {g.context} | {g.bits} | {fused} | {_ms(r.vectorized)} | "
+        f"{_ms(r.float16)} | {ratio} | {r.vectorized / r.float16:.2f} | {speedup} | "
+        f"{packed_bytes_read(g) / 1e6:.1f} | {float16_bytes_read(g) / 1e6:.1f}{floor} | "
+        f"{verdict} |"
+    )
+
+
 def decode_kernel_table(rows: Sequence[KernelRow], bandwidth: float | None = None) -> str:
     """The three decode paths as a markdown table of milliseconds and ratios to float16,
     with the bytes a step must read on each side and, given the device's copy
     ``bandwidth`` (bytes/s, read + written), the time those packed bytes take to read."""
-    floor_head = " | packed floor (ms)" if bandwidth else ""
-    lines = [
-        "| B | context | bits | fused (ms) | vectorized (ms) | float16 (ms) | fused / float16 "
-        "| vectorized / float16 | fused speed-up | read/step: packed (MB) | float16 (MB)"
-        f"{floor_head} | goal |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-        + ("---:|" if bandwidth else "")
-        + "---|",
-    ]
-    for r in rows:
-        g = r.geometry
-        want = kernel_goal(g)
-        if r.fused is None:
-            fused = ratio = speedup = "n/a"
-            verdict = "" if want is None else f"<= {want:g} not measured"
-        else:
-            fused = _ms(r.fused)
-            ratio = f"{r.fused / r.float16:.2f}"
-            speedup = f"{r.vectorized / r.fused:.2f}x"
-            verdict = ""
-            if want is not None:
-                verdict = f"<= {want:g} {'met' if r.fused / r.float16 <= want else 'missed'}"
-        floor = f" | {_ms(packed_bytes_read(g) / bandwidth)}" if bandwidth else ""
-        lines.append(
-            f"| {g.batch} | {g.context} | {g.bits} | {fused} | {_ms(r.vectorized)} | "
-            f"{_ms(r.float16)} | {ratio} | {r.vectorized / r.float16:.2f} | {speedup} | "
-            f"{packed_bytes_read(g) / 1e6:.1f} | {float16_bytes_read(g) / 1e6:.1f}{floor} | "
-            f"{verdict} |"
-        )
+    lines = [decode_kernel_header(bandwidth)]
+    lines += [decode_kernel_line(r, bandwidth) for r in rows]
     return "\n".join(lines)
 
 
