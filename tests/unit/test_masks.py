@@ -50,7 +50,10 @@ def test_causal_rows_are_the_mask_by_definition(starts, offset, n, window):
 
 
 def _spy_on_attend(monkeypatch) -> list:
-    """Record the mask each call of ``tqbatch._codec.attend`` receives."""
+    """Record the mask each call of ``tqbatch._codec.attend`` receives (the vectorized
+    path, pinned: on CUDA a decode step would otherwise take the fused kernel, whose
+    receipt of the rows is tested in ``test_cuda_decode.py``)."""
+    monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "vectorized")
     seen, attend = [], _codec.attend
 
     def spy(*args, **kwargs):
