@@ -421,3 +421,29 @@ def then_still_in_lockstep(ls: Lockstep, rng):
     ls.check()
     ls.update(rng, 1)
     ls.check()
+
+
+# ---------------------------------------------------------------- the fused CUDA decode kernel
+
+
+def cache_decode_step(rng: np.random.Generator):
+    """A two-row cache (row 0 left-padded by 2, 5 tokens, 2 KV heads, D = 64, 4 bits) at a
+    decode step, as a model takes it: the mask made before the step's write. Returns
+    (cache, queries, keys, values, mask), 4 query heads."""
+    cache = BatchTurboQuantKVCache([2, 0], bits=4)
+    k = mx.array(rng.standard_normal((2, 2, 5, 64)).astype(np.float16))
+    cache.update_and_fetch(k, k)
+    mask = cache.make_mask(1)
+    step = mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float16))
+    ks, vs = cache.update_and_fetch(step, step)
+    q = mx.array(rng.standard_normal((2, 4, 1, 64)).astype(np.float16))
+    return cache, q, ks, vs, mask
+
+
+def forbid_cuda_kernel(monkeypatch) -> None:
+    """MLX as on a Mac or a CPU-only build (no CUDA backend to report), and the fused CUDA
+    decode kernel failing the test if anything reaches it."""
+    from tqbatch import _cuda_decode
+
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(_cuda_decode, "_fused", lambda *a: pytest.fail("kernel reached"))

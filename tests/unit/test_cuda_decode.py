@@ -28,6 +28,8 @@ from tqbatch._masks import CausalRows
 from tqbatch.testing import tolerances
 from tqbatch.testing.backend import matmul_precision
 
+from .support import cache_decode_step, forbid_cuda_kernel
+
 ON_CUDA = _cuda_decode.available()
 gpu_only = pytest.mark.skipif(
     not ON_CUDA, reason="the fused decode kernel runs only where MLX's default device is CUDA"
@@ -185,17 +187,7 @@ def _step():
 
 
 def _cache_decode_step():
-    """A two-row cache (row 0 left-padded by 2) at a decode step, as a model takes it:
-    the mask made before the step's write. Returns (cache, queries, keys, values, mask)."""
-    cache = BatchTurboQuantKVCache([2, 0], bits=4)
-    rng = np.random.default_rng(2)
-    k = mx.array(rng.standard_normal((2, 2, 5, 64)).astype(np.float16))
-    cache.update_and_fetch(k, k)
-    mask = cache.make_mask(1)
-    step = mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float16))
-    ks, vs = cache.update_and_fetch(step, step)
-    q = mx.array(rng.standard_normal((2, 4, 1, 64)).astype(np.float16))
-    return cache, q, ks, vs, mask
+    return cache_decode_step(np.random.default_rng(2))
 
 
 @pytest.mark.skipif(ON_CUDA, reason="checks the kernel is unreachable off CUDA")
@@ -229,9 +221,9 @@ def test_off_cuda_the_cache_decodes_on_the_vectorized_path(monkeypatch):
         cache.decode_attention(q, ks, vs, scale=0.125, mask=None)
 
 
-def test_a_cache_decode_step_reaches_the_kernel_with_its_rows_where_available(monkeypatch):
-    # The dispatch alone, on any device: "available" is pretended, the kernel
-    # recorded (and the vectorized path answers for it).
+def _record_kernel_calls(monkeypatch) -> list:
+    """The kernel pretended available and recorded (each call's mask), the vectorized
+    path answering for it: the dispatch alone, on any device."""
     monkeypatch.setattr(_cuda_decode, "available", lambda: True)
     calls = []
 
@@ -240,6 +232,11 @@ def test_a_cache_decode_step_reaches_the_kernel_with_its_rows_where_available(mo
         return _codec.attend_plain(queries, keys, values, kc, vc, scale, mask)
 
     monkeypatch.setattr(_cuda_decode, "_fused", record)
+    return calls
+
+
+def test_a_cache_decode_step_reaches_the_kernel_with_its_rows_where_available(monkeypatch):
+    calls = _record_kernel_calls(monkeypatch)
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")
     cache, q, ks, vs, mask = _cache_decode_step()
     cache.decode_attention(q, ks, vs, scale=0.125, mask=mask)
@@ -251,16 +248,7 @@ def test_a_cache_decode_step_reaches_the_kernel_with_its_rows_where_available(mo
 
 
 def test_under_auto_a_decode_step_takes_the_kernel_where_available(monkeypatch):
-    # The default is auto: the kernel wherever MLX's default device is a CUDA GPU
-    # ("available" pretended here; the vectorized path answers for the kernel).
-    monkeypatch.setattr(_cuda_decode, "available", lambda: True)
-    calls = []
-
-    def record(queries, keys, values, kc, vc, scale, mask):
-        calls.append(mask)
-        return _codec.attend_plain(queries, keys, values, kc, vc, scale, mask)
-
-    monkeypatch.setattr(_cuda_decode, "_fused", record)
+    calls = _record_kernel_calls(monkeypatch)
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")
     cache, q, ks, vs, mask = _cache_decode_step()
     mx.eval(cache.decode_attention(q, ks, vs, scale=0.125, mask=mask))
@@ -271,22 +259,16 @@ def test_under_auto_a_decode_step_takes_the_kernel_where_available(monkeypatch):
     assert len(calls) == 1
 
 
-def _no_cuda_anywhere(monkeypatch):
-    """MLX as on a Mac or a CPU-only build: no CUDA backend to report."""
-    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
-
-
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
 def test_by_default_cpu_and_metal_never_reach_the_kernel(monkeypatch, device):
     # The default (auto) on a CPU, and on a GPU that is not CUDA (a Mac's Metal:
     # MLX's default device is "gpu" there, mx.cuda.is_available() false): the
     # kernel is not available, so a decode step keeps the vectorized path
     # bit for bit, whatever the shapes.
-    _no_cuda_anywhere(monkeypatch)
+    forbid_cuda_kernel(monkeypatch)
     if device == "gpu":
         # Only the kernel's own check sees the pretended GPU; the work runs here.
         monkeypatch.setattr(_cuda_decode.mx, "default_device", lambda: mx.Device(mx.gpu))
-    monkeypatch.setattr(_cuda_decode, "_fused", lambda *a: pytest.fail("kernel reached"))
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")  # what the default will be on CUDA
     assert not _cuda_decode.available()
     queries, keys, values, kc, vc = _step()

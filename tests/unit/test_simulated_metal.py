@@ -519,21 +519,16 @@ def test_on_a_simulated_mac_a_decode_step_never_reaches_the_cuda_kernel(mac, rng
     # The fused CUDA decode kernel is the default (auto) where MLX's default device
     # is a CUDA GPU; a Mac's default device is a GPU too, but Metal: the cache's
     # decode step must keep its Metal path there, with the kernel never reached.
-    from tqbatch import BatchTurboQuantKVCache, _cuda_decode
+    from tqbatch import _cuda_decode
 
-    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)  # a Mac has no CUDA
-    monkeypatch.setattr(_cuda_decode, "_fused", lambda *a: pytest.fail("kernel reached"))
+    from .support import cache_decode_step, forbid_cuda_kernel
+
+    forbid_cuda_kernel(monkeypatch)  # a Mac has no CUDA
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")
     simulator = mac("pass")
     assert mx.default_device() == mx.Device(mx.gpu)
     assert not _cuda_decode.available()
-    cache = BatchTurboQuantKVCache([2, 0], bits=4)
-    k = mx.array(rng.standard_normal((2, 2, 5, 64)).astype(np.float16))
-    cache.update_and_fetch(k, k)
-    mask = cache.make_mask(1)
-    step = mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float16))
-    ks, vs = cache.update_and_fetch(step, step)
-    q = mx.array(rng.standard_normal((2, 4, 1, 64)).astype(np.float16))
+    cache, q, ks, vs, mask = cache_decode_step(rng)
     out = cache.decode_attention(q, ks, vs, scale=0.125, mask=mask)
     mx.eval(out)
     assert out.shape == (2, 4, 1, 64) and np.all(np.isfinite(np.array(out)))
