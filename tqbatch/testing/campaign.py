@@ -15,6 +15,16 @@ example budget or a time budget is spent.
   after the same op as a failure found (``also``) are kept too, each with
   its own op sequence: the found one's, with what comes before it
   tolerated, cut down op by op (``tqbatch.testing.minimize``).
+- A survey ends soon after its last find: once it has found something, it
+  stops after ``QUIET_ROUNDS`` generating rounds in a row find nothing new
+  (``quiet_stop``); a survey that finds nothing runs its whole budget.
+- Failures already known steer the search instead of ending it: where a
+  tolerated failure leaves the target diverged, the example goes on with a
+  fresh cache (``tqbatch.testing.stateful``), and bad-input cases whose
+  known failure diverges are not drawn. ``listed`` identities (a
+  known-failures list) are tolerated from the first example on: they are
+  not shrunk nor reported as failures, only noted where seen
+  (``listed_seen``), and do not count as finds.
 
 Counts are honest: ``examples`` are the examples Hypothesis generated;
 ``shrink_runs`` the test runs it spent shrinking and replaying failures
@@ -48,7 +58,7 @@ import json
 import time
 import unittest
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
 from hypothesis import HealthCheck, Phase, settings
@@ -67,6 +77,7 @@ from tqbatch.testing.profiles import register_profiles
 from tqbatch.testing.stateful import UnsupportedOpsWarning, machine_for
 
 __all__ = [
+    "QUIET_ROUNDS",
     "ROUND_EXAMPLES",
     "MINIMIZE_REPLAYS",
     "SHRINK_RUNS",
@@ -89,6 +100,13 @@ ROUND_EXAMPLES = 5  # examples per Hypothesis run: the budgets are checked betwe
 # needs one replay per op left.
 SHRINK_RUNS = 400
 MINIMIZE_REPLAYS = 100
+# A survey that has found something stops after this many generating rounds
+# in a row (ROUND_EXAMPLES examples each) find nothing new. Chosen from the
+# rounds between finds in surveys run on to a long budget
+# (scripts/survey_find_rounds.py, docs/search-speed.md): no later find of the
+# catalogued mutants and mlx-vlm regressions came more than this many quiet
+# rounds after the one before it.
+QUIET_ROUNDS = 6
 
 
 class RunClock:
@@ -174,6 +192,10 @@ class CampaignResult:
     exhausted: bool = False  # every example ended in a known failure: nothing more to find
     shards: list = field(default_factory=list)
     replayed: int = 0
+    # Listed identities (``run_campaign(listed=...)``) seen failing, tolerated:
+    # dicts of identity, level and what failed, in the order first seen.
+    listed_seen: list = field(default_factory=list)
+    quiet_stop: bool = False  # stopped QUIET_ROUNDS rounds after its last find
 
     @property
     def failure(self) -> dict | None:
@@ -200,8 +222,11 @@ class CampaignResult:
                 self.failures.append(failure)
             elif len(failure["ops"]) < len(self.failures[i]["ops"]):
                 self.failures[i] = failure
+        seen = {f["identity"] for f in self.listed_seen}
+        self.listed_seen += [f for f in other.listed_seen if f["identity"] not in seen]
         self.seconds = max(self.seconds, other.seconds)
         self.exhausted = self.exhausted or other.exhausted
+        self.quiet_stop = self.quiet_stop or other.quiet_stop
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -302,6 +327,8 @@ def run_campaign(
     shrink_runs: int | None = SHRINK_RUNS,
     database: ExampleDatabase | str | None = None,
     replay_only: bool = False,
+    listed: Iterable[str] = (),
+    quiet_rounds: int | None = QUIET_ROUNDS,
 ) -> CampaignResult:
     """Run the machine against ``impl`` until ``examples`` or ``minutes`` is spent.
 
@@ -309,7 +336,10 @@ def run_campaign(
     keeps every distinct failing check, each shrunk, and stops early only
     when every example ends in a failure it already has (``exhausted``).
     ``shrink_runs`` bounds each Hypothesis shrink (None: Hypothesis's own
-    bound, in seconds).
+    bound, in seconds). A survey that has found something stops once
+    ``quiet_rounds`` generating rounds in a row find nothing new (None:
+    never early). ``listed``: identities known to fail (a known-failures
+    list), tolerated from the start and noted in ``listed_seen``.
 
     ``database`` (an example database or a spec for ``open_database``):
     failures are saved there, and a first round replays every example saved
@@ -330,13 +360,18 @@ def run_campaign(
     base = settings.get_profile(profile)
     result = CampaignResult()
     known: dict[str, dict] = {}
+    listed = frozenset(listed)
     observer = MachineObserver()  # every example's ops and failures, this campaign's only
+
+    def tolerated(failure) -> bool:
+        return failure.identity in listed or (survey and failure.identity in known)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnsupportedOpsWarning)
         machine = machine_for(
             impl,
             contract_checks=contract_checks,
-            tolerate=(lambda failure: failure.identity in known) if survey else None,
+            tolerate=tolerated if survey or listed else None,
             observer=observer,
         )
     counter = _Counter(result, on_example)
@@ -352,8 +387,9 @@ def run_campaign(
 
         def teardown(self):
             ops, pairs = observer.counts_since(self._before)
-            world = self.world
-            counter.example_done(ops, pairs, world.refs.admitted if world is not None else 0)
+            worlds = self.worlds
+            _note_listed(result, listed, worlds)
+            counter.example_done(ops, pairs, sum(w.refs.admitted for w in worlds))
 
     key = campaign_key(impl, contract_checks=contract_checks, survey=survey)
 
@@ -375,10 +411,15 @@ def run_campaign(
     # generates nothing; generating rounds follow (none for replay_only).
     replaying = database is not None
     generating = 0  # generating rounds run: each has its own seed
+    quiet = 0  # generating rounds in a row that found nothing new
+    Counting.avoid_cases = frozenset(_diverging_cases(listed))
     try:
         while True:
             if not replaying:
                 if replay_only:
+                    break
+                if survey and quiet_rounds and result.failures and quiet >= quiet_rounds:
+                    result.quiet_stop = True  # found something, and nothing new since
                     break
                 if examples is not None and result.examples >= examples:
                     break
@@ -409,6 +450,7 @@ def run_campaign(
             generating += not replaying
             was_replaying, replaying = replaying, False
             observer.clear_failures()
+            quiet += not was_replaying  # reset below where the round finds something new
             try:
                 with shrink_budget(shrink_runs, clock):
                     _run_machine(Counting, round_settings, key)
@@ -420,20 +462,23 @@ def run_campaign(
                     raise
                 # Nothing saved under this campaign's key: the replay ran nothing.
             except Exception as exc:  # noqa: BLE001 - whatever the run raised is reported
-                found = _found(observer, exc, sorted(known))
+                found = _found(observer, exc, sorted(set(known) | listed))
                 # As Hypothesis shrank them: where the checks of "also" failed too.
                 shrunk = [list(failure["ops"]) for failure in found]
                 for failure in found:
                     _minimize(impl, failure, contract_checks)
                 for failure in found:
                     failure["replayed"] = failure_key(failure) in replayed_failures
+                    failure["round"] = generating
                     known[failure_key(failure)] = failure
                     result.failures.append(failure)
                 for failure, ops in zip(found, shrunk) if survey else ():
                     for other in _also_found(impl, failure, ops, known, contract_checks):
+                        other["round"] = generating
                         known[failure_key(other)] = other
                         result.failures.append(other)
-                Counting.avoid_cases = frozenset(_diverging_cases(known))
+                quiet = 0 if found else quiet
+                Counting.avoid_cases = frozenset(_diverging_cases(set(known) | listed))
                 crashed = any(not f["identity"] for f in found)
                 if not survey or crashed or not found:
                     break  # plain: the first failure; survey: the harness itself failed
@@ -483,14 +528,30 @@ def campaign_key(impl: type, *, contract_checks: bool = True, survey: bool = Fal
     ).encode()
 
 
-def _diverging_cases(known: dict) -> set[str]:
-    """Bad-input cases whose known failure ends an example (accepted, or changed the cache)."""
+def _diverging_cases(identities) -> set[str]:
+    """Bad-input cases whose known failure diverges the target (accepted, or changed the
+    cache): drawing them again would only throw the rest of the example away."""
+    from tqbatch.testing.strategies import BAD_INPUT_ERRORS
+
     cases = set()
-    for identity, failure in known.items():
-        check = CHECKS.get(failure.get("check", ""))
-        if check is not None and check.diverged and "@" in identity:
-            cases.add(identity.split("@", 1)[1])
+    for identity in identities:
+        name, _, where = identity.partition("@")
+        check = CHECKS.get(name)
+        if check is not None and check.diverged and where in BAD_INPUT_ERRORS:
+            cases.add(where)
     return cases
+
+
+def _note_listed(result: CampaignResult, listed: frozenset, worlds) -> None:
+    """Add the listed identities the example's ``worlds`` tolerated to ``listed_seen``."""
+    seen = {f["identity"] for f in result.listed_seen}
+    for world in worlds:
+        for failure in world.tolerated:
+            if failure.identity in listed and failure.identity not in seen:
+                seen.add(failure.identity)
+                result.listed_seen.append(
+                    {"identity": failure.identity, "level": failure.level, "what": failure.what}
+                )
 
 
 def _minimize(impl, failure: dict, contract_checks: bool) -> None:
