@@ -75,11 +75,17 @@ def test_state_machine(tqbatch_harness, request):
             examples=examples,
             seed=state.seed,
             campaign=campaign,
+            quiet_rounds=state.quiet_rounds,
             on_update=live,
         )
     else:
         result = run_campaign(
-            state.impl, examples=examples, seed=state.seed, on_example=live, **campaign
+            state.impl,
+            examples=examples,
+            seed=state.seed,
+            on_example=live,
+            quiet_rounds=state.quiet_rounds,
+            **campaign,
         )
     live(result)
     request.node.user_properties.append(("tqbatch_examples", result.examples))

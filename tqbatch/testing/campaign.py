@@ -10,14 +10,18 @@ example budget or a time budget is spent.
   op sequence. A round stops at its first failure and shrinks only that one,
   so that each failure is reported as soon as it is shrunk (``on_example``);
   in later rounds, failures already kept are tolerated (the
-  example runs past them, or ends where the target has diverged), so the
-  search moves on to what else is wrong. The other checks that failed
+  example runs past them, or goes on with a fresh cache where the target
+  has diverged), so the search moves on to what else is wrong. The other checks that failed
   after the same op as a failure found (``also``) are kept too, each with
   its own op sequence: the found one's, with what comes before it
   tolerated, cut down op by op (``tqbatch.testing.minimize``).
-- A survey ends soon after its last find: once it has found something, it
-  stops after ``QUIET_ROUNDS`` generating rounds in a row find nothing new
-  (``quiet_stop``); a survey that finds nothing runs its whole budget.
+- A survey may end soon after its last find (``quiet_rounds``; the
+  plugin's default is ``tqbatch.testing.plugin.QUIET_ROUNDS``): once it
+  has found a contract failure, it stops after that many generating rounds
+  in a row find no new one (``quiet_stop``, decided by
+  ``quiet_stop_round`` on the contract failures known after each round);
+  a survey that finds none, or only policy differences, runs its whole
+  budget.
 - Failures already known steer the search instead of ending it: where a
   tolerated failure leaves the target diverged, the example goes on with a
   fresh cache (``tqbatch.testing.stateful``), and bad-input cases whose
@@ -77,7 +81,6 @@ from tqbatch.testing.profiles import register_profiles
 from tqbatch.testing.stateful import UnsupportedOpsWarning, machine_for
 
 __all__ = [
-    "QUIET_ROUNDS",
     "ROUND_EXAMPLES",
     "MINIMIZE_REPLAYS",
     "SHRINK_RUNS",
@@ -85,6 +88,8 @@ __all__ = [
     "RunClock",
     "campaign_key",
     "conforms",
+    "contract_identities",
+    "quiet_stop_round",
     "run_campaign",
     "save_failures",
     "shrink_budget",
@@ -100,13 +105,6 @@ ROUND_EXAMPLES = 5  # examples per Hypothesis run: the budgets are checked betwe
 # needs one replay per op left.
 SHRINK_RUNS = 400
 MINIMIZE_REPLAYS = 100
-# A survey that has found something stops after this many generating rounds
-# in a row (ROUND_EXAMPLES examples each) find nothing new. Chosen from the
-# rounds between finds in surveys run on to a long budget
-# (scripts/survey_find_rounds.py, docs/search-speed.md): no later find of the
-# catalogued mutants and mlx-vlm regressions came more than this many quiet
-# rounds after the one before it.
-QUIET_ROUNDS = 6
 
 
 class RunClock:
@@ -195,7 +193,7 @@ class CampaignResult:
     # Listed identities (``run_campaign(listed=...)``) seen failing, tolerated:
     # dicts of identity, level and what failed, in the order first seen.
     listed_seen: list = field(default_factory=list)
-    quiet_stop: bool = False  # stopped QUIET_ROUNDS rounds after its last find
+    quiet_stop: bool = False  # stopped for quiet after its last find (``quiet_rounds``)
 
     @property
     def failure(self) -> dict | None:
@@ -328,7 +326,8 @@ def run_campaign(
     database: ExampleDatabase | str | None = None,
     replay_only: bool = False,
     listed: Iterable[str] = (),
-    quiet_rounds: int | None = QUIET_ROUNDS,
+    quiet_rounds: int | None = None,
+    on_round: Callable[[CampaignResult], None] | None = None,
 ) -> CampaignResult:
     """Run the machine against ``impl`` until ``examples`` or ``minutes`` is spent.
 
@@ -336,10 +335,11 @@ def run_campaign(
     keeps every distinct failing check, each shrunk, and stops early only
     when every example ends in a failure it already has (``exhausted``).
     ``shrink_runs`` bounds each Hypothesis shrink (None: Hypothesis's own
-    bound, in seconds). A survey that has found something stops once
-    ``quiet_rounds`` generating rounds in a row find nothing new (None:
-    never early). ``listed``: identities known to fail (a known-failures
-    list), tolerated from the start and noted in ``listed_seen``.
+    bound, in seconds). A survey that has found a contract failure stops
+    once ``quiet_rounds`` generating rounds in a row find no new one (None:
+    never early). ``on_round`` gets the result after each generating round.
+    ``listed``: identities known to fail (a known-failures list), tolerated
+    from the start and noted in ``listed_seen``.
 
     ``database`` (an example database or a spec for ``open_database``):
     failures are saved there, and a first round replays every example saved
@@ -411,15 +411,23 @@ def run_campaign(
     # generates nothing; generating rounds follow (none for replay_only).
     replaying = database is not None
     generating = 0  # generating rounds run: each has its own seed
-    quiet = 0  # generating rounds in a row that found nothing new
+    found_after: list[frozenset] = []  # contract failures known after each generating round
+
+    def round_done(was_replaying: bool) -> None:
+        if not was_replaying:
+            result.seconds = time.monotonic() - start
+            found_after.append(contract_identities(result))
+            if on_round is not None:
+                on_round(result)
+
     Counting.avoid_cases = frozenset(_diverging_cases(listed))
     try:
         while True:
             if not replaying:
                 if replay_only:
                     break
-                if survey and quiet_rounds and result.failures and quiet >= quiet_rounds:
-                    result.quiet_stop = True  # found something, and nothing new since
+                if survey and quiet_stop_round(found_after, quiet_rounds) is not None:
+                    result.quiet_stop = True
                     break
                 if examples is not None and result.examples >= examples:
                     break
@@ -450,12 +458,12 @@ def run_campaign(
             generating += not replaying
             was_replaying, replaying = replaying, False
             observer.clear_failures()
-            quiet += not was_replaying  # reset below where the round finds something new
             try:
                 with shrink_budget(shrink_runs, clock):
                     _run_machine(Counting, round_settings, key)
             except Unsatisfiable:
                 result.exhausted = True  # every example hit a known, diverging failure
+                round_done(was_replaying)
                 break
             except unittest.SkipTest:
                 if not was_replaying:
@@ -477,16 +485,42 @@ def run_campaign(
                         other["round"] = generating
                         known[failure_key(other)] = other
                         result.failures.append(other)
-                quiet = 0 if found else quiet
                 Counting.avoid_cases = frozenset(_diverging_cases(set(known) | listed))
                 crashed = any(not f["identity"] for f in found)
                 if not survey or crashed or not found:
+                    round_done(was_replaying)
                     break  # plain: the first failure; survey: the harness itself failed
+            round_done(was_replaying)
     finally:
         if remove is not None:
             remove(counter.observe)
     result.seconds = time.monotonic() - start
     return result
+
+
+def contract_identities(result: CampaignResult) -> frozenset:
+    """The identities of ``result``'s contract failures (policy differences left out)."""
+    return frozenset(
+        f["identity"] for f in result.failures if f.get("identity") and f["level"] != "policy"
+    )
+
+
+def quiet_stop_round(found_after: list, quiet_rounds: int | None) -> int | None:
+    """The generating round after which a survey stops for quiet, or None: not yet.
+
+    ``found_after[k]`` is the set of contract failures known after round
+    ``k + 1``. The survey stops after round ``r`` where some failure was
+    known ``quiet_rounds`` rounds before and nothing was added since: the
+    first such ``r``. A function of the rounds' finds alone, so the same
+    rounds stop at the same place in one process or added up over several.
+    """
+    if not quiet_rounds:
+        return None
+    for r in range(quiet_rounds + 1, len(found_after) + 1):
+        before = found_after[r - 1 - quiet_rounds]
+        if before and before == found_after[r - 1]:
+            return r
+    return None
 
 
 def _run_machine(machine: type, round_settings: settings, key: bytes) -> None:
