@@ -1,4 +1,4 @@
-"""Seconds from ``pytest`` starting to its first reported failure, per mutant, through the plugin.
+"""Seconds from ``pytest`` starting to its first reported failure, and to the run going red.
 
 What a cache owner's CI waits for: each mutant of ``tqbatch.testing.mutants``
 (a cache that re-introduces one historical bug) is run as
@@ -8,7 +8,10 @@ What a cache owner's CI waits for: each mutant of ``tqbatch.testing.mutants``
 in its own process with ``CI=true`` (so the ``ci`` profile), from an empty
 directory, and timed from the process's start to the first line that reports
 a failure: a test's ``FAILED`` line (``-v``) or the survey's live
-``tqbatch survey: ... found`` line. Then the process is stopped.
+``tqbatch survey: ... found`` line (a policy difference is not one), and to
+the process's end ("run red": exit 1), at most ``LIMIT`` seconds.
+``--mlx-vlm-regressions`` runs ``tqbatch.testing.mlx_vlm_regressions``
+instead, each with mlx-vlm's shipped known-failures list.
 
 ``--only-state-machine`` runs ``-k test_state_machine`` alone, so the time is
 the search's, not the golden scenarios' (which were written to kill these very
@@ -29,14 +32,20 @@ import tempfile
 import time
 from pathlib import Path
 
-LIMIT = 300.0  # seconds: a mutant not reported by then is "not found"
+LIMIT = 300.0  # seconds: a target not reported by then is "not found"
+KNOWN_MLX_VLM = "mlx_vlm_0_7_10"  # the shipped list the mlx-vlm regressions run with
 
 
-def first_report(name: str, *, only_state_machine: bool, cwd: Path) -> tuple[float | None, str]:
-    """Seconds to the first reported failure for mutant ``name`` and the line that reported it."""
+def time_run(
+    impl: str, *, only_state_machine: bool, cwd: Path, known_failures: str | None = None
+) -> tuple[float | None, str, float | None, int | None]:
+    """Run the plugin against ``impl``: seconds to its first reported failure and that line,
+    seconds to the run's end (None: still running at ``LIMIT``) and its exit code."""
     command = [sys.executable, "-m", "pytest", "--pyargs", "tqbatch.conformance", "-v"]
-    command += ["-p", "no:cacheprovider", "--tqbatch-impl", f"tqbatch.testing.mutants:{name}"]
-    command += ["--tqbatch-failures", str(cwd / f"failures-{name}")]
+    command += ["-p", "no:cacheprovider", "--tqbatch-impl", impl]
+    command += ["--tqbatch-failures", str(cwd / f"failures-{impl.rsplit(':', 1)[-1]}")]
+    if known_failures:
+        command += ["--tqbatch-known-failures", known_failures]
     if only_state_machine:
         command += ["-k", "test_state_machine"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "TQBATCH_"))}
@@ -45,15 +54,17 @@ def first_report(name: str, *, only_state_machine: bool, cwd: Path) -> tuple[flo
     process = subprocess.Popen(
         command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    first, what = None, ""
     try:
         for line in process.stdout:
             seconds = time.monotonic() - start
             reported = line.startswith("tqbatch survey:") or (" FAILED" in line and "::" in line)
-            if reported:
-                return seconds, line.strip()
+            if reported and first is None and "[policy]" not in line:
+                first, what = seconds, line.strip()
             if seconds > LIMIT:
-                break
-        return None, ""
+                return first, what, None, None
+        code = process.wait()
+        return first, what, time.monotonic() - start, code
     finally:
         process.kill()
         process.wait()
@@ -61,38 +72,59 @@ def first_report(name: str, *, only_state_machine: bool, cwd: Path) -> tuple[flo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mutants", nargs="*", help="mutant names (default: all)")
+    parser.add_argument("names", nargs="*", help="mutant (or regression) names (default: all)")
     parser.add_argument("--only-state-machine", action="store_true")
+    parser.add_argument(
+        "--mlx-vlm-regressions",
+        action="store_true",
+        help="the regressions of tqbatch.testing.mlx_vlm_regressions, with mlx-vlm's shipped "
+        f"list ({KNOWN_MLX_VLM}), instead of tqbatch's mutants",
+    )
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = parser.parse_args(argv)
-    from tqbatch.testing.mutants import MUTANTS
+    if args.mlx_vlm_regressions:
+        from tqbatch.testing import mlx_vlm_regressions as catalogue
 
-    names = args.mutants or sorted(MUTANTS)
-    unknown = sorted(set(names) - set(MUTANTS))
+        targets, known = catalogue.REGRESSIONS, KNOWN_MLX_VLM
+    else:
+        from tqbatch.testing import mutants as catalogue
+
+        targets, known = catalogue.MUTANTS, None
+    names = args.names or sorted(targets)
+    unknown = sorted(set(names) - set(targets))
     if unknown:
-        parser.error(f"no such mutant: {', '.join(unknown)}")
+        parser.error(f"no such target: {', '.join(unknown)}")
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in names:
-            seconds, line = first_report(
-                name, only_state_machine=args.only_state_machine, cwd=Path(scratch)
+            first, line, end, code = time_run(
+                f"{catalogue.__name__}:{name}",
+                only_state_machine=args.only_state_machine,
+                cwd=Path(scratch),
+                known_failures=known,
             )
-            rows.append((name, seconds, line))
+            rows.append((name, first, line, end, code))
             if not args.markdown:
-                shown = "not found" if seconds is None else f"{seconds:6.1f} s"
-                print(f"{name:34s} {shown}  {line[:110]}", flush=True)
-    found = [s for _, s, _ in rows if s is not None]
-    summary = f"{len(found)}/{len(rows)} reported" + (
-        f"; median {statistics.median(found):.1f} s, max {max(found):.1f} s" if found else ""
+                shown = "not found" if first is None else f"{first:6.1f} s"
+                ended = "running" if end is None else f"exit {code} at {end:.1f} s"
+                print(f"{name:34s} {shown}  {ended}  {line[:90]}", flush=True)
+    found = [first for _, first, _, _, code in rows if first is not None and code == 1]
+    ends = [end for _, first, _, end, code in rows if first is not None and code == 1]
+    summary = f"{len(found)}/{len(rows)} reported and failed the run" + (
+        f"; first report median {statistics.median(found):.1f} s, max {max(found):.1f} s; "
+        f"run ended median {statistics.median(ends):.1f} s, max {max(ends):.1f} s"
+        if found
+        else ""
     )
     if args.markdown:
-        print("| mutant | first report (s) | reported as |")
-        print("|---|---|---|")
-        for name, seconds, line in rows:
-            shown = "not found" if seconds is None else f"{seconds:.1f}"
+        print("| target | first report (s) | reported as | run red (s) |")
+        print("|---|---|---|---|")
+        for name, first, line, end, code in rows:
+            shown = "not found" if first is None else f"{first:.1f}"
+            red = "-" if end is None or code != 1 else f"{end:.1f}"
             # "tqbatch survey: IDENTITY [level] found, ..." or "path::test[id] FAILED [ 8%]"
             what = line.removeprefix("tqbatch survey: ").split(" [")[0].split(" FAILED")[0]
-            print(f"| {name} | {shown} | `{what.split('::')[-1] or '-'}` |")
+            print(f"| {name} | {shown} | `{what.split('::')[-1] or '-'}` | {red} |")
         print()
     print(summary)
     return 0 if len(found) == len(rows) else 1

@@ -64,7 +64,9 @@ def test_state_machine(tqbatch_harness, request):
     state = tqbatch_harness
     examples = state.examples or settings.get_profile(state.profile).max_examples
     live = _Live(request.config)
-    campaign = dict(profile=state.profile, survey=True)
+    # Listed identities are tolerated from the start: examples steer around
+    # them, and a listed failure is never shrunk nor counted as a find.
+    campaign = dict(profile=state.profile, survey=True, listed=sorted(state.listed))
     spec = _importable_spec(state.impl)
     if state.survey_processes > 1 and spec is not None:
         result = run_in_processes(
@@ -73,11 +75,17 @@ def test_state_machine(tqbatch_harness, request):
             examples=examples,
             seed=state.seed,
             campaign=campaign,
+            quiet_rounds=state.quiet_rounds,
             on_update=live,
         )
     else:
         result = run_campaign(
-            state.impl, examples=examples, seed=state.seed, on_example=live, **campaign
+            state.impl,
+            examples=examples,
+            seed=state.seed,
+            on_example=live,
+            quiet_rounds=state.quiet_rounds,
+            **campaign,
         )
     live(result)
     request.node.user_properties.append(("tqbatch_examples", result.examples))
@@ -85,6 +93,7 @@ def test_state_machine(tqbatch_harness, request):
         Found(f.get("identity") or "", f["level"], f.get("what") or f["message"], len(f["ops"]))
         for f in result.failures
     ]
+    found += [Found(f["identity"], f["level"], f["what"]) for f in result.listed_seen]
     new = failing(state, found)
     if new:
         keep = [f for f, mine in zip(result.failures, found) if any(mine is n for n in new)]

@@ -10,11 +10,25 @@ example budget or a time budget is spent.
   op sequence. A round stops at its first failure and shrinks only that one,
   so that each failure is reported as soon as it is shrunk (``on_example``);
   in later rounds, failures already kept are tolerated (the
-  example runs past them, or ends where the target has diverged), so the
-  search moves on to what else is wrong. The other checks that failed
+  example runs past them, or goes on with a fresh cache where the target
+  has diverged), so the search moves on to what else is wrong. The other checks that failed
   after the same op as a failure found (``also``) are kept too, each with
   its own op sequence: the found one's, with what comes before it
   tolerated, cut down op by op (``tqbatch.testing.minimize``).
+- A survey may end soon after its last find (``quiet_rounds``; the
+  plugin's default is ``tqbatch.testing.plugin.QUIET_ROUNDS``): once it
+  has found a contract failure, it stops after that many generating rounds
+  in a row find no new one (``quiet_stop``, decided by
+  ``quiet_stop_round`` on the contract failures known after each round);
+  a survey that finds none, or only policy differences, runs its whole
+  budget.
+- Failures already known steer the search instead of ending it: where a
+  tolerated failure leaves the target diverged, the example goes on with a
+  fresh cache (``tqbatch.testing.stateful``), and bad-input cases whose
+  known failure diverges are not drawn. ``listed`` identities (a
+  known-failures list) are tolerated from the first example on: they are
+  not shrunk nor reported as failures, only noted where seen
+  (``listed_seen``), and do not count as finds.
 
 Counts are honest: ``examples`` are the examples Hypothesis generated;
 ``shrink_runs`` the test runs it spent shrinking and replaying failures
@@ -48,7 +62,7 @@ import json
 import time
 import unittest
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
 from hypothesis import HealthCheck, Phase, settings
@@ -74,6 +88,8 @@ __all__ = [
     "RunClock",
     "campaign_key",
     "conforms",
+    "contract_identities",
+    "quiet_stop_round",
     "run_campaign",
     "save_failures",
     "shrink_budget",
@@ -174,6 +190,10 @@ class CampaignResult:
     exhausted: bool = False  # every example ended in a known failure: nothing more to find
     shards: list = field(default_factory=list)
     replayed: int = 0
+    # Listed identities (``run_campaign(listed=...)``) seen failing, tolerated:
+    # dicts of identity, level and what failed, in the order first seen.
+    listed_seen: list = field(default_factory=list)
+    quiet_stop: bool = False  # stopped for quiet after its last find (``quiet_rounds``)
 
     @property
     def failure(self) -> dict | None:
@@ -200,8 +220,11 @@ class CampaignResult:
                 self.failures.append(failure)
             elif len(failure["ops"]) < len(self.failures[i]["ops"]):
                 self.failures[i] = failure
+        seen = {f["identity"] for f in self.listed_seen}
+        self.listed_seen += [f for f in other.listed_seen if f["identity"] not in seen]
         self.seconds = max(self.seconds, other.seconds)
         self.exhausted = self.exhausted or other.exhausted
+        self.quiet_stop = self.quiet_stop or other.quiet_stop
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -302,6 +325,9 @@ def run_campaign(
     shrink_runs: int | None = SHRINK_RUNS,
     database: ExampleDatabase | str | None = None,
     replay_only: bool = False,
+    listed: Iterable[str] = (),
+    quiet_rounds: int | None = None,
+    on_round: Callable[[CampaignResult], None] | None = None,
 ) -> CampaignResult:
     """Run the machine against ``impl`` until ``examples`` or ``minutes`` is spent.
 
@@ -309,7 +335,11 @@ def run_campaign(
     keeps every distinct failing check, each shrunk, and stops early only
     when every example ends in a failure it already has (``exhausted``).
     ``shrink_runs`` bounds each Hypothesis shrink (None: Hypothesis's own
-    bound, in seconds).
+    bound, in seconds). A survey that has found a contract failure stops
+    once ``quiet_rounds`` generating rounds in a row find no new one (None:
+    never early). ``on_round`` gets the result after each generating round.
+    ``listed``: identities known to fail (a known-failures list), tolerated
+    from the start and noted in ``listed_seen``.
 
     ``database`` (an example database or a spec for ``open_database``):
     failures are saved there, and a first round replays every example saved
@@ -330,13 +360,18 @@ def run_campaign(
     base = settings.get_profile(profile)
     result = CampaignResult()
     known: dict[str, dict] = {}
+    listed = frozenset(listed)
     observer = MachineObserver()  # every example's ops and failures, this campaign's only
+
+    def tolerated(failure) -> bool:
+        return failure.identity in listed or (survey and failure.identity in known)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnsupportedOpsWarning)
         machine = machine_for(
             impl,
             contract_checks=contract_checks,
-            tolerate=(lambda failure: failure.identity in known) if survey else None,
+            tolerate=tolerated if survey or listed else None,
             observer=observer,
         )
     counter = _Counter(result, on_example)
@@ -352,8 +387,9 @@ def run_campaign(
 
         def teardown(self):
             ops, pairs = observer.counts_since(self._before)
-            world = self.world
-            counter.example_done(ops, pairs, world.refs.admitted if world is not None else 0)
+            worlds = self.worlds
+            _note_listed(result, listed, worlds)
+            counter.example_done(ops, pairs, sum(w.refs.admitted for w in worlds))
 
     key = campaign_key(impl, contract_checks=contract_checks, survey=survey)
 
@@ -375,10 +411,23 @@ def run_campaign(
     # generates nothing; generating rounds follow (none for replay_only).
     replaying = database is not None
     generating = 0  # generating rounds run: each has its own seed
+    found_after: list[frozenset] = []  # contract failures known after each generating round
+
+    def round_done(was_replaying: bool) -> None:
+        if not was_replaying:
+            result.seconds = time.monotonic() - start
+            found_after.append(contract_identities(result))
+            if on_round is not None:
+                on_round(result)
+
+    Counting.avoid_cases = frozenset(_diverging_cases(listed))
     try:
         while True:
             if not replaying:
                 if replay_only:
+                    break
+                if survey and quiet_stop_round(found_after, quiet_rounds) is not None:
+                    result.quiet_stop = True
                     break
                 if examples is not None and result.examples >= examples:
                     break
@@ -414,34 +463,64 @@ def run_campaign(
                     _run_machine(Counting, round_settings, key)
             except Unsatisfiable:
                 result.exhausted = True  # every example hit a known, diverging failure
+                round_done(was_replaying)
                 break
             except unittest.SkipTest:
                 if not was_replaying:
                     raise
                 # Nothing saved under this campaign's key: the replay ran nothing.
             except Exception as exc:  # noqa: BLE001 - whatever the run raised is reported
-                found = _found(observer, exc, sorted(known))
+                found = _found(observer, exc, sorted(set(known) | listed))
                 # As Hypothesis shrank them: where the checks of "also" failed too.
                 shrunk = [list(failure["ops"]) for failure in found]
                 for failure in found:
                     _minimize(impl, failure, contract_checks)
                 for failure in found:
                     failure["replayed"] = failure_key(failure) in replayed_failures
+                    failure["round"] = generating
                     known[failure_key(failure)] = failure
                     result.failures.append(failure)
                 for failure, ops in zip(found, shrunk) if survey else ():
                     for other in _also_found(impl, failure, ops, known, contract_checks):
+                        other["round"] = generating
                         known[failure_key(other)] = other
                         result.failures.append(other)
-                Counting.avoid_cases = frozenset(_diverging_cases(known))
+                Counting.avoid_cases = frozenset(_diverging_cases(set(known) | listed))
                 crashed = any(not f["identity"] for f in found)
                 if not survey or crashed or not found:
+                    round_done(was_replaying)
                     break  # plain: the first failure; survey: the harness itself failed
+            round_done(was_replaying)
     finally:
         if remove is not None:
             remove(counter.observe)
     result.seconds = time.monotonic() - start
     return result
+
+
+def contract_identities(result: CampaignResult) -> frozenset:
+    """The identities of ``result``'s contract failures (policy differences left out)."""
+    return frozenset(
+        f["identity"] for f in result.failures if f.get("identity") and f["level"] != "policy"
+    )
+
+
+def quiet_stop_round(found_after: list, quiet_rounds: int | None) -> int | None:
+    """The generating round after which a survey stops for quiet, or None: not yet.
+
+    ``found_after[k]`` is the set of contract failures known after round
+    ``k + 1``. The survey stops after round ``r`` where some failure was
+    known ``quiet_rounds`` rounds before and nothing was added since: the
+    first such ``r``. A function of the rounds' finds alone, so the same
+    rounds stop at the same place in one process or added up over several.
+    """
+    if not quiet_rounds:
+        return None
+    for r in range(quiet_rounds + 1, len(found_after) + 1):
+        before = found_after[r - 1 - quiet_rounds]
+        if before and before == found_after[r - 1]:
+            return r
+    return None
 
 
 def _run_machine(machine: type, round_settings: settings, key: bytes) -> None:
@@ -483,14 +562,30 @@ def campaign_key(impl: type, *, contract_checks: bool = True, survey: bool = Fal
     ).encode()
 
 
-def _diverging_cases(known: dict) -> set[str]:
-    """Bad-input cases whose known failure ends an example (accepted, or changed the cache)."""
+def _diverging_cases(identities) -> set[str]:
+    """Bad-input cases whose known failure diverges the target (accepted, or changed the
+    cache): drawing them again would only throw the rest of the example away."""
+    from tqbatch.testing.strategies import BAD_INPUT_ERRORS
+
     cases = set()
-    for identity, failure in known.items():
-        check = CHECKS.get(failure.get("check", ""))
-        if check is not None and check.diverged and "@" in identity:
-            cases.add(identity.split("@", 1)[1])
+    for identity in identities:
+        name, _, where = identity.partition("@")
+        check = CHECKS.get(name)
+        if check is not None and check.diverged and where in BAD_INPUT_ERRORS:
+            cases.add(where)
     return cases
+
+
+def _note_listed(result: CampaignResult, listed: frozenset, worlds) -> None:
+    """Add the listed identities the example's ``worlds`` tolerated to ``listed_seen``."""
+    seen = {f["identity"] for f in result.listed_seen}
+    for world in worlds:
+        for failure in world.tolerated:
+            if failure.identity in listed and failure.identity not in seen:
+                seen.add(failure.identity)
+                result.listed_seen.append(
+                    {"identity": failure.identity, "level": failure.level, "what": failure.what}
+                )
 
 
 def _minimize(impl, failure: dict, contract_checks: bool) -> None:

@@ -66,6 +66,12 @@ __all__ = [
 # process draws under its own seed), and a verdict must not depend on the
 # runner's cores. GitHub's hosted runners have 3 (macOS arm64) or 4 (Linux).
 SURVEY_PROCESSES = 2
+# Once the survey has found a contract failure, it stops after this many
+# rounds in a row find no new one (``campaign.quiet_stop_round``): a failing
+# cache's job goes red soon after its last find, a correct one's runs the
+# whole budget. Chosen from the rounds between finds in surveys run to their
+# whole budget (docs/search-speed.md, "A survey that ends soon after its last find").
+QUIET_ROUNDS = 6
 
 NAME = "tqbatch"  # the entry point's name: `-p no:tqbatch` turns the plugin off
 CONFORMANCE = "tqbatch.conformance"
@@ -82,6 +88,7 @@ class Harness:
     examples: int | None = None  # None: the profile's max_examples
     seed: int = 0
     survey_processes: int = SURVEY_PROCESSES
+    quiet_rounds: int = QUIET_ROUNDS  # 0: the survey runs its whole budget
     profile: str = "dev"
     known: object | None = None  # a tqbatch.testing.known_failures.KnownFailures
     known_path: Path | None = None
@@ -146,6 +153,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help=f"processes the survey's examples are spread over (default {SURVEY_PROCESSES}; 1: "
         "in the test's own process). Each runs its share under its own seed, so the examples "
         "depend on N, never on the machine",
+    )
+    group.addoption(
+        "--tqbatch-quiet-rounds",
+        type=int,
+        default=QUIET_ROUNDS,
+        metavar="N",
+        help="once the survey has found a contract failure, it stops after N rounds in a row "
+        f"(5 examples each, added up over its processes) find no new one (default {QUIET_ROUNDS}; "
+        "0: it runs its whole budget). A survey that finds none always runs its whole budget",
     )
     group.addoption(
         "--tqbatch-known-failures",
@@ -283,12 +299,16 @@ def _harness_from_options(config: pytest.Config) -> Harness:
     processes = config.getoption("--tqbatch-survey-processes")
     if processes < 1:
         raise pytest.UsageError("tqbatch: --tqbatch-survey-processes must be positive")
+    quiet_rounds = config.getoption("--tqbatch-quiet-rounds")
+    if quiet_rounds < 0:
+        raise pytest.UsageError("tqbatch: --tqbatch-quiet-rounds must be 0 or more")
     failures = Path(config.getoption("--tqbatch-failures"))
     state = Harness(
         impl_spec=config.getoption("--tqbatch-impl") or _ini(config, "tqbatch_impl"),
         examples=examples,
         seed=config.getoption("--tqbatch-seed"),
         survey_processes=processes,
+        quiet_rounds=quiet_rounds,
         profile=_profile(config),
         strict=config.getoption("--tqbatch-strict-known-failures"),
         models=config.getoption("--tqbatch-models"),

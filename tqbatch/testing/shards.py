@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tqbatch.testing.campaign import CampaignResult, run_campaign
+from tqbatch.testing.campaign import (
+    CampaignResult,
+    contract_identities,
+    quiet_stop_round,
+    run_campaign,
+)
 
 __all__ = ["campaign_from_options", "run_shards"]
 
@@ -104,21 +110,31 @@ def _saver(directory: Path, shard: int) -> Callable[[CampaignResult], None]:
     out = directory / f"shard-{shard}.json"
 
     def save(result: CampaignResult) -> None:
-        data = result.to_json()
-        data["shards"] = [
-            {
-                "shard": shard,
-                "examples": result.examples,
-                "replayed": result.replayed,
-                "failures": len(result.failures),
-                "seconds": result.seconds,
-            }
-        ]
-        partial = out.with_suffix(".tmp")
-        partial.write_text(json.dumps(data))
-        partial.replace(out)
+        _write_whole(out, _summarised(result, shard))
 
     return save
+
+
+def _summarised(result: CampaignResult, shard: int) -> dict:
+    """``result`` as JSON, with its one shard's summary."""
+    data = result.to_json()
+    data["shards"] = [
+        {
+            "shard": shard,
+            "examples": result.examples,
+            "replayed": result.replayed,
+            "failures": len(result.failures),
+            "seconds": result.seconds,
+        }
+    ]
+    return data
+
+
+def _write_whole(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` whole or not at all: the parent reads it while it runs."""
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(data))
+    partial.replace(path)
 
 
 def _collect(directory) -> CampaignResult:
@@ -167,6 +183,7 @@ def run_in_processes(
     examples: int,
     seed: int,
     campaign: dict,
+    quiet_rounds: int | None = None,
     on_update: Callable[[CampaignResult], None] | None = None,
 ) -> CampaignResult:
     """``run_campaign`` of ``impl_spec`` in ``processes`` processes, their results added up.
@@ -176,10 +193,14 @@ def run_in_processes(
     arguments ``campaign`` (JSON: profile, survey, ...). The examples run
     are a function of these numbers alone, never of the machine's cores or
     speed, so a verdict is the same on every machine that runs the same
-    number of processes. ``on_update`` gets the sum so far about once a
-    second. The processes start with this one's environment and import path
-    (the device asked for is in ``$TQBATCH_DEVICE``), with nothing of
-    pytest's: a plain ``python -m tqbatch.testing.shards``.
+    number of processes. ``quiet_rounds``: the survey stops for quiet
+    (``campaign.quiet_stop_round``) on the processes' finds added up round
+    by round; each process's result is then taken as it was after that
+    round, and those still running are stopped, so where it stops does not
+    depend on which process ran ahead. ``on_update`` gets the sum so far
+    about once a second. The processes start with this one's environment and
+    import path (the device asked for is in ``$TQBATCH_DEVICE``), with
+    nothing of pytest's: a plain ``python -m tqbatch.testing.shards``.
     """
     if processes < 1:
         raise ValueError(f"processes must be positive, not {processes}")
@@ -200,39 +221,109 @@ def run_in_processes(
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
+        rounds = _Rounds(Path(tmp), list(children))
+        stop = None
         try:
-            while any(child.poll() is None for child in children.values()):
+            while stop is None and any(child.poll() is None for child in children.values()):
                 time.sleep(1.0)
-                if on_update is not None:
+                finished = {p: child.poll() is not None for p, child in children.items()}
+                stop = rounds.quiet_stop(finished, quiet_rounds)
+                if stop is None and on_update is not None:
                     on_update(_collect(tmp))
         finally:
             for child in children.values():
-                if child.poll() is None:  # interrupted: leave no process behind
+                if child.poll() is None:  # no longer needed (stopped for quiet), or interrupted
                     child.kill()
                     child.wait()
-        total = _collect(tmp)
-        failed = [p for p, child in children.items() if child.returncode != 0]
+        if stop is None:  # every process ran its share: the rounds may still say where to stop
+            stop = rounds.quiet_stop(dict.fromkeys(children, True), quiet_rounds)
+        stopped = stop is not None
+        failed = [
+            p
+            for p, child in children.items()
+            if child.returncode != 0 and not (stopped and child.returncode == -signal.SIGKILL)
+        ]
         if failed:
             output = logs[failed[0]].read_text(errors="replace")
             raise RuntimeError(
                 f"{len(failed)} of {len(children)} survey processes failed (process "
                 f"{failed[0]}: exit {children[failed[0]].returncode}):\n{output[-4000:]}"
             )
+        return _collect(tmp) if stop is None else rounds.total_after(stop)
+
+
+class _Rounds:
+    """The processes' results after each generating round, as they write them."""
+
+    def __init__(self, directory: Path, processes: list[int]):
+        self.directory = directory
+        self.found: dict[int, list[frozenset]] = {p: [] for p in processes}
+
+    def _read_new(self) -> None:
+        for p, found in self.found.items():
+            while (path := _round_path(self.directory, p, len(found) + 1)).exists():
+                result = CampaignResult.from_json(json.loads(path.read_text()))
+                found.append(contract_identities(result))
+
+    def quiet_stop(self, finished: dict[int, bool], quiet_rounds: int | None) -> int | None:
+        """The round the survey stops after for quiet, once every process got that far."""
+        if not quiet_rounds:
+            return None
+        self._read_new()
+        # Rounds every process has run (or finished before): their finds are final.
+        running = [len(f) for p, f in self.found.items() if not finished[p]]
+        ready = min(running) if running else max((len(f) for f in self.found.values()), default=0)
+        added_up = [
+            frozenset().union(*(f[min(r, len(f)) - 1] for f in self.found.values() if f))
+            for r in range(1, ready + 1)
+        ]
+        return quiet_stop_round(added_up, quiet_rounds)
+
+    def total_after(self, stop: int) -> CampaignResult:
+        """The processes' results added up, each as it was after round ``stop``."""
+        total = CampaignResult(quiet_stop=True)
+        for p, found in self.found.items():
+            if found:
+                path = _round_path(self.directory, p, min(stop, len(found)))
+                shard = CampaignResult.from_json(json.loads(path.read_text()))
+                total.absorb(shard)
+                total.shards.extend(shard.shards)
+        total.quiet_stop = True
         return total
 
 
+def _round_path(directory: Path, process: int, round_: int) -> Path:
+    return directory / f"round-{process}-{round_}.json"
+
+
 def _process_main(directory: str, process: int, examples: int) -> None:
-    """One process of ``run_in_processes``: its campaign, kept as ``shard-N.json``."""
+    """One process of ``run_in_processes``: its campaign, kept as ``shard-N.json``, and its
+    result after each generating round as ``round-N-R.json``."""
     from tqbatch.testing import backend
     from tqbatch.testing.impl import load_impl
 
     backend.select_device()  # the parent's, through $TQBATCH_DEVICE
     cfg = json.loads((Path(directory) / "config.json").read_text())
     save = _saver(Path(directory), process)
+    rounds = 0
+
+    def save_round(result: CampaignResult) -> None:
+        nonlocal rounds
+        rounds += 1
+        _write_whole(_round_path(Path(directory), process, rounds), _summarised(result, process))
 
     impl = load_impl(cfg["impl"])
     seed = cfg["seed"] * 1000 + process
-    save(run_campaign(impl, examples=examples, seed=seed, on_example=save, **cfg["campaign"]))
+    save(
+        run_campaign(
+            impl,
+            examples=examples,
+            seed=seed,
+            on_example=save,
+            on_round=save_round,
+            **cfg["campaign"],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ __all__ = [
     "left_padded_prefill_ops",
     "right_padded_prefill_ops",
     "first_batch_ops",
+    "written_batch_ops",
     "other_batch_ops",
     "attend_op",  # noqa: F822 (module __getattr__)
     "filter_indices",  # noqa: F822 (module __getattr__)
@@ -111,6 +112,18 @@ def b1_decoded_ops(draw):
     return ops
 
 
+@st.composite
+def written_batch_ops(draw, max_rows: int = MAX_ROWS):
+    """Constructor with left padding, then a prefill covering it: a written batch built the
+    way a target without ``merge`` builds one (mlx-vlm's batch generator does)."""
+    left_padding = draw(st.lists(st.integers(0, 3), min_size=1, max_size=max_rows))
+    tokens = max(left_padding) + draw(st.integers(1, MAX_PROMPT))
+    return [
+        {"op": "new", "left_padding": left_padding},
+        {"op": "update", "tokens": tokens, "kv_seed": draw(seeds)},
+    ]
+
+
 def first_batch_ops(capabilities: dict, max_rows: int = MAX_ROWS):
     """Ops that create a batch, using only what the target supports."""
     options = [
@@ -122,6 +135,10 @@ def first_batch_ops(capabilities: dict, max_rows: int = MAX_ROWS):
         from tqbatch.testing.ops.merge import merge_op
 
         options += [merge_op(max_rows).map(lambda op: [op]), b1_decoded_ops()]
+    else:
+        # Without merge, an extend would otherwise join only empty batches:
+        # two written batches of different lengths come from here.
+        options.append(written_batch_ops(max_rows))
     if capabilities.get("prepare"):
         options.append(left_padded_prefill_ops(max_rows))
         if capabilities.get("finalize"):
