@@ -4,7 +4,8 @@
 Hypothesis profile (``ci`` by default: derandomized, so the same examples on
 every run) and counts the mutant as found only when the check it names
 (``tqbatch.testing.mutants.CATCHES``) fails; every other failure is tolerated
-(run past, or the example ends where the target has diverged). With
+(run past, or the example goes on with a fresh cache where the target has
+diverged). With
 ``shrink=True`` the failure is also shrunk, as ``tqbatch fuzz`` reports it.
 
 ``python -m tqbatch.testing.selftest [--markdown]`` hunts every mutant and

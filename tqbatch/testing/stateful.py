@@ -95,7 +95,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
     # Failures to note and run past instead of raising (see FailureCollector).
     tolerate: Callable[[CheckFailure], bool] | None = None
     # Bad-input cases not to draw (a survey's: each is already reported, and
-    # an accepted bad input ends the example, which would starve the search).
+    # an accepted bad input diverges the target, cutting the op sequence short).
     avoid_cases: frozenset = frozenset()
     # Told of every op run and every failure recorded, by every example
     # (Hypothesis makes a machine per example); None: nobody is told.
