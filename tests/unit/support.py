@@ -41,6 +41,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 from tqbatch import BatchTurboQuantKVCache
 from tqbatch.testing.generation import POISON
 from tqbatch.testing.impl import load_impl
+from tqbatch.testing.known_failures import failure_key
 from tqbatch.testing.numpy_model import causal_mask
 from tqbatch.testing.tolerances import attention_tolerance, content_tolerance
 
@@ -447,3 +448,13 @@ def forbid_cuda_kernel(monkeypatch) -> None:
 
     monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
     monkeypatch.setattr(_cuda_decode, "_fused", lambda *a: pytest.fail("kernel reached"))
+
+
+def campaign_summary(result) -> tuple:
+    """What two runs of one campaign must agree on: examples, op counts, failures and their
+    lengths."""
+    return (
+        result.examples,
+        dict(result.op_counts),
+        sorted((failure_key(f), len(f["ops"])) for f in result.failures),
+    )

@@ -6,8 +6,10 @@ import pytest
 
 from tqbatch.testing.campaign import contract_identities, quiet_stop_round, run_campaign
 from tqbatch.testing.impl import load_impl
-from tqbatch.testing.known_failures import KnownFailures, failure_key, shipped
+from tqbatch.testing.known_failures import KnownFailures, shipped
 from tqbatch.testing.shards import run_in_processes
+
+from .support import campaign_summary
 
 MUTANT = "tqbatch.testing.mutants:HasIdxAttribute"  # found in its first examples
 CAMPAIGN = dict(profile="ci", survey=True)
@@ -68,14 +70,6 @@ def test_an_example_goes_on_with_a_fresh_cache_after_a_listed_crash():
     assert fresh, result.pair_counts
 
 
-def _summary(result):
-    return (
-        result.examples,
-        dict(result.op_counts),
-        sorted((failure_key(f), len(f["ops"])) for f in result.failures),
-    )
-
-
 def test_spread_over_processes_it_stops_at_the_same_place_on_every_run():
     runs = [
         run_in_processes(
@@ -85,4 +79,4 @@ def test_spread_over_processes_it_stops_at_the_same_place_on_every_run():
     ]
     assert runs[0].quiet_stop and runs[0].examples < 200
     assert "structure" in contract_identities(runs[0])
-    assert _summary(runs[0]) == _summary(runs[1])
+    assert campaign_summary(runs[0]) == campaign_summary(runs[1])

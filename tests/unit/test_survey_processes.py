@@ -6,19 +6,12 @@ import pytest
 
 import tqbatch
 from tqbatch.conformance.test_state_machine import _importable_spec
-from tqbatch.testing.known_failures import failure_key
 from tqbatch.testing.shards import run_in_processes
+
+from .support import campaign_summary
 
 MUTANT = "tqbatch.testing.mutants:HasIdxAttribute"  # found in the first examples
 CAMPAIGN = dict(profile="ci", survey=True)
-
-
-def _summary(result):
-    return (
-        result.examples,
-        dict(result.op_counts),
-        sorted((failure_key(f), len(f["ops"])) for f in result.failures),
-    )
 
 
 def test_the_same_examples_on_every_run():
@@ -30,7 +23,7 @@ def test_the_same_examples_on_every_run():
         for _ in range(2)
     ]
     assert runs[0].failures, "the mutant's failure was not found"
-    assert _summary(runs[0]) == _summary(runs[1])
+    assert campaign_summary(runs[0]) == campaign_summary(runs[1])
     assert sorted(s["shard"] for s in runs[0].shards) == [0, 1]
     assert sorted(s["examples"] for s in runs[0].shards) == [2, 3]
 

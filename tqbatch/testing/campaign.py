@@ -477,12 +477,10 @@ def run_campaign(
                     _minimize(impl, failure, contract_checks)
                 for failure in found:
                     failure["replayed"] = failure_key(failure) in replayed_failures
-                    failure["round"] = generating
                     known[failure_key(failure)] = failure
                     result.failures.append(failure)
                 for failure, ops in zip(found, shrunk) if survey else ():
                     for other in _also_found(impl, failure, ops, known, contract_checks):
-                        other["round"] = generating
                         known[failure_key(other)] = other
                         result.failures.append(other)
                 Counting.avoid_cases = frozenset(_diverging_cases(set(known) | listed))

@@ -69,8 +69,9 @@ SURVEY_PROCESSES = 2
 # Once the survey has found a contract failure, it stops after this many
 # rounds in a row find no new one (``campaign.quiet_stop_round``): a failing
 # cache's job goes red soon after its last find, a correct one's runs the
-# whole budget. Chosen from the rounds between finds in surveys run to their
-# whole budget (docs/search-speed.md, "A survey that ends soon after its last find").
+# whole budget. Not tuned: 6 is what the timings of the mutants and of the
+# mlx-vlm regressions were measured with (docs/search-speed.md, "A survey that
+# ends soon after its last find").
 QUIET_ROUNDS = 6
 
 NAME = "tqbatch"  # the entry point's name: `-p no:tqbatch` turns the plugin off

@@ -288,7 +288,6 @@ class _Rounds:
                 shard = CampaignResult.from_json(json.loads(path.read_text()))
                 total.absorb(shard)
                 total.shards.extend(shard.shards)
-        total.quiet_stop = True
         return total
 
 
