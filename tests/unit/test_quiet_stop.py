@@ -15,6 +15,7 @@ MUTANT = "tqbatch.testing.mutants:HasIdxAttribute"  # found in its first example
 CAMPAIGN = dict(profile="ci", survey=True)
 
 A, B = frozenset({"a@x"}), frozenset({"a@x", "b@y"})
+A2 = frozenset({"a@x", "a@z"})  # check a again, after another op
 
 
 @pytest.mark.parametrize(
@@ -28,6 +29,8 @@ A, B = frozenset({"a@x"}), frozenset({"a@x", "b@y"})
         ([frozenset(), A, A, A, A, A], 3, 5),
         ([A, A, B, B, B, B, B], 3, 6),  # a new find in round 3 starts the count again
         ([A, A, B, B, B], 3, None),
+        ([A, A, A2, A2], 3, 4),  # a known check after another op: kept, no new count
+        ([A, A2, B, B, B, B], 3, 6),
     ],
 )
 def test_the_stop_round_counts_rounds_with_nothing_new_after_a_find(found_after, quiet, stop):

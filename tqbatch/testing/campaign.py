@@ -18,7 +18,7 @@ example budget or a time budget is spent.
 - A survey may end soon after its last find (``quiet_rounds``; the
   plugin's default is ``tqbatch.testing.plugin.QUIET_ROUNDS``): once it
   has found a contract failure, it stops after that many generating rounds
-  in a row find no new one (``quiet_stop``, decided by
+  in a row find no new failing check (``quiet_stop``, decided by
   ``quiet_stop_round`` on the contract failures known after each round);
   a survey that finds none, or only policy differences, runs its whole
   budget.
@@ -534,19 +534,30 @@ def contract_identities(result: CampaignResult) -> frozenset:
 def quiet_stop_round(found_after: list, quiet_rounds: int | None) -> int | None:
     """The generating round after which a survey stops for quiet, or None: not yet.
 
-    ``found_after[k]`` is the set of contract failures known after round
-    ``k + 1``. The survey stops after round ``r`` where some failure was
-    known ``quiet_rounds`` rounds before and nothing was added since: the
-    first such ``r``. A function of the rounds' finds alone, so the same
-    rounds stop at the same place in one process or added up over several.
+    ``found_after[k]`` is the set of contract failures (identities) known
+    after round ``k + 1``. The survey stops after round ``r`` where some
+    failure was known ``quiet_rounds`` rounds before and no failing check
+    was added since: the first such ``r``. A known check failing after
+    another op (``mask_values@trim`` after ``mask_values@new``) is kept and
+    reported but does not start the count again: it is most often the same
+    defect reached through another op, and a cache with a wrong mask shows
+    it after every op there is. A function of the rounds' finds alone, so
+    the same rounds stop at the same place in one process or added up over
+    several.
     """
     if not quiet_rounds:
         return None
-    for r in range(quiet_rounds + 1, len(found_after) + 1):
-        before = found_after[r - 1 - quiet_rounds]
-        if before and before == found_after[r - 1]:
+    checks_after = [frozenset(_check_of(identity) for identity in found) for found in found_after]
+    for r in range(quiet_rounds + 1, len(checks_after) + 1):
+        before = checks_after[r - 1 - quiet_rounds]
+        if before and before == checks_after[r - 1]:
             return r
     return None
+
+
+def _check_of(identity: str) -> str:
+    """The check an identity names: ``offset`` of ``offset@extend``."""
+    return identity.split("@", 1)[0]
 
 
 def _run_machine(machine: type, round_settings: settings, key: bytes) -> None:

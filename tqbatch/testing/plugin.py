@@ -67,7 +67,7 @@ __all__ = [
 # runner's cores. GitHub's hosted runners have 3 (macOS arm64) or 4 (Linux).
 SURVEY_PROCESSES = 2
 # Once the survey has found a contract failure, it stops after this many
-# rounds in a row find no new one (``campaign.quiet_stop_round``): a failing
+# rounds in a row find no new failing check (``campaign.quiet_stop_round``): a failing
 # cache's job goes red soon after its last find, a correct one's runs the
 # whole budget. Not tuned: 6 is what the timings of the mutants and of the
 # mlx-vlm regressions were measured with (docs/search-speed.md, "A survey that
