@@ -319,9 +319,10 @@ def _no_coverage_tracing():
     With an observability callback registered, Hypothesis traces every line
     of every test run for the observations' coverage field, which the
     campaign never reads: on Python 3.11 a ``sys.settrace`` tracer that cost
-    a quarter to a third of a campaign's time (docs/search-speed.md). Hypothesis reads the flag at each run and
-    exposes it for this (``OBSERVABILITY_COLLECT_COVERAGE``); its
-    environment variable would also write every observation to disk.
+    a quarter to a third of a campaign's time (docs/search-speed.md).
+    Hypothesis reads the flag at each run and exposes it for this
+    (``OBSERVABILITY_COLLECT_COVERAGE``); its environment variable would
+    also write every observation to disk.
     Tracing does not steer generation, so the examples drawn are the same.
     """
     try:

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -216,7 +217,7 @@ def run_in_processes(
         for p in logs:
             with logs[p].open("wb") as log:
                 children[p] = subprocess.Popen(
-                    [sys.executable, "-m", __name__, tmp, str(p), str(shares[p])],
+                    [sys.executable, "-m", __name__, tmp, str(p), str(shares[p]), str(os.getpid())],
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -295,11 +296,32 @@ def _round_path(directory: Path, process: int, round_: int) -> Path:
     return directory / f"round-{process}-{round_}.json"
 
 
-def _process_main(directory: str, process: int, examples: int) -> None:
+def exit_with_parent(parent: int, poll_seconds: float = 1.0) -> None:
+    """End this process (exit 1) soon after ``parent``, the process that started it, is gone.
+
+    A survey process whose parent is killed (``kill -9`` of pytest, a
+    runner's timeout that stops one process) would otherwise run its whole
+    share as an orphan, on the cores the next job needs. The parent's death
+    shows as another parent id (the orphan is adopted), on Linux and macOS;
+    ``parent`` comes from the parent itself, as it may be gone before this
+    process has imported what it needs.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        os._exit(1)  # noqa: SLF001 - no cleanup is owed to a parent that is gone
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _process_main(directory: str, process: int, examples: int, parent: int) -> None:
     """One process of ``run_in_processes``: its campaign, kept as ``shard-N.json``, and its
     result after each generating round as ``round-N-R.json``."""
     from tqbatch.testing import backend
     from tqbatch.testing.impl import load_impl
+
+    exit_with_parent(parent)
 
     backend.select_device()  # the parent's, through $TQBATCH_DEVICE
     cfg = json.loads((Path(directory) / "config.json").read_text())
@@ -326,4 +348,4 @@ def _process_main(directory: str, process: int, examples: int) -> None:
 
 
 if __name__ == "__main__":
-    _process_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    _process_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
