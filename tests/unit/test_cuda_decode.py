@@ -515,6 +515,11 @@ def _emulate(tmp_path, queries, full_keys, full_values, kc, vc, scale, starts, T
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20) to run the source")
+@pytest.mark.float32_only(
+    reason="the emulation sums in float32 and is held to 1e-4 of the vectorized path, whose "
+    "matmuls run at TF32 there (seen on an H100: 3.3e-3 on outputs up to 4.6); the kernel "
+    "against the vectorized path at TF32 is the GPU property's, with a bound derived for TF32"
+)
 @pytest.mark.parametrize(
     ("B", "n_kv", "group", "dim", "key_bits", "value_bits", "T", "starts"),
     [

@@ -422,6 +422,10 @@ def test_the_fused_key_value_kernel_chooses_mlx_vlm_codes(mac, rng, dim, bits):
         (80, 4, 5, (2, 4), False),  # separate score and value kernels
     ],
 )
+@pytest.mark.float32_only(
+    reason="the emulated kernels sum in float32 and are held to rtol 1e-4 of mlx-vlm's "
+    "fallbacks, whose matmuls run at TF32 there (seen on an H100: 6.5e-4 on an output of 0.13)"
+)
 def test_decode_kernels_attend_as_mlx_vlm_fallbacks_do(mac, rng, dim, bits, tokens, heads, masked):
     kv_heads, q_heads = heads
     key_codec = turboquant._TurboQuantMSECodec(dim, bits, 0)
