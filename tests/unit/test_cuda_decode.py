@@ -269,7 +269,8 @@ def test_by_default_cpu_and_metal_never_reach_the_kernel(monkeypatch, device):
     if device == "gpu":
         # Only the kernel's own check sees the pretended GPU; the work runs here.
         monkeypatch.setattr(_cuda_decode.mx, "default_device", lambda: mx.Device(mx.gpu))
-    monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")  # what the default will be on CUDA
+    monkeypatch.delenv("TQBATCH_DECODE_KERNEL", raising=False)
+    assert _cuda_decode.mode() == "auto"
     assert not _cuda_decode.available()
     queries, keys, values, kc, vc = _step()
     assert _cuda_decode.supports(queries, keys, values, kc, vc, None)
@@ -283,9 +284,9 @@ def test_by_default_cpu_and_metal_never_reach_the_kernel(monkeypatch, device):
 
 def test_mode_is_read_at_call_time_and_checked(monkeypatch):
     monkeypatch.delenv("TQBATCH_DECODE_KERNEL", raising=False)
-    assert _cuda_decode.mode() == "vectorized"  # opt-in until verified on a GPU
+    assert _cuda_decode.mode() == "auto"  # the kernel wherever it runs
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "")
-    assert _cuda_decode.mode() == "vectorized"
+    assert _cuda_decode.mode() == "auto"
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "Vectorized")
     assert _cuda_decode.mode() == "vectorized"
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "fast")

@@ -528,9 +528,9 @@ def test_on_a_simulated_mac_a_decode_step_never_reaches_the_cuda_kernel(mac, rng
     from .support import cache_decode_step, forbid_cuda_kernel
 
     forbid_cuda_kernel(monkeypatch)  # a Mac has no CUDA
-    monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")
+    monkeypatch.delenv("TQBATCH_DECODE_KERNEL", raising=False)
     simulator = mac("pass")
-    assert mx.default_device() == mx.Device(mx.gpu)
+    assert mx.default_device() == mx.Device(mx.gpu) and _cuda_decode.mode() == "auto"
     assert not _cuda_decode.available()
     cache, q, ks, vs, mask = cache_decode_step(rng)
     out = cache.decode_attention(q, ks, vs, scale=0.125, mask=mask)
