@@ -16,6 +16,7 @@ from mlx_lm.models import cache as lm_cache
 
 import tqbatch.mlx_lm as tq_mlx_lm
 from tqbatch.commands.models import _families
+from tqbatch.testing.backend import matmul_precision
 from tqbatch.testing.mutants import MUTANTS
 from tqbatch.workbench import lm_families, model_matrix, vlm_families
 from tqbatch.workbench.model_matrix import BASELINE
@@ -24,11 +25,28 @@ from .conftest import doc_matrix
 
 CELLS = [(f, s) for f in lm_families.FAMILIES for s in model_matrix.LM_SCENARIOS]
 
+# BatchGenerator cannot be teacher-forced: each greedy token must be the request's
+# alone token, and the run ends at the first that is not. At TF32 the batched
+# forward is not the alone forward to float32 noise (BatchKVCache's logprobs are up to
+# 0.13 from alone here), so a near-tie flips (the alone run's top two logits are
+# 4.9e-4 apart where llama's BatchKVCache cell left it, 3.5e-3 for qwen2's tqbatch
+# cell), and quantization amplifies that noise where a key lies near a codebook
+# midpoint (phi3's tqbatch cell reversed a 0.16 lead while BatchKVCache moved 8e-3;
+# the flipped code was not traced). Seen on an H100 with the fused decode kernel on
+# and off alike, the same tokens at the same steps (docs/gpu-run-2026-12-06/). At TF32
+# the cell must pass or end on such a token, every cache check before it passed.
+_LEFT_ALONE = re.compile(r"\w's token \d+ is \d+, alone \d+")
+
 
 @pytest.mark.parametrize(("family", "scenario"), CELLS, ids=[f"{f}-{s}" for f, s in CELLS])
 def test_mlx_lm_cell_passes_where_batchkvcache_passes(family, scenario):
     baseline = model_matrix.run_cell(family, scenario, model_matrix.target_for(BASELINE))
     cell = model_matrix.run_cell(family, scenario, model_matrix.target_for("tqbatch"))
+    if scenario == "batch_generator" and matmul_precision() == "tf32":
+        for c in (cell, baseline):
+            assert c.status == "PASS" or _LEFT_ALONE.fullmatch(c.detail), c.short()
+        assert not tq_mlx_lm.is_enabled()
+        return  # the table is float32's
     if baseline.status == "PASS":
         assert cell.status == "PASS", cell.short()
     assert cell.status == baseline.status, (cell.short(), baseline.short())
@@ -106,9 +124,15 @@ def test_a_sliding_window_failure_names_the_rotating_layer_below_the_cache(targe
         "mlx-lm:gemma3_text", "uniform_rollback", model_matrix.target_for(target)
     )
     assert cell.status == "FAIL", cell.short()
-    assert cell.detail.startswith(
-        "fails below the cache under test: layer 0 `BatchRotatingKVCache` (row 0 (A), "
-        "forward 4 (decode): attention output differs"
+    # The first row past the bound: A at float32. At TF32 the bound is TF32's (0.323
+    # for tqbatch's cell on an H100) and A's error under it (0.025 at float32), so
+    # tqbatch's cell names B there, with the fused decode kernel on and off alike.
+    row = r"row 0 \(A\)" if matmul_precision() == "float32" else r"row \d \(\w\)"
+    assert re.match(
+        r"fails below the cache under test: layer 0 `BatchRotatingKVCache` \("
+        + row
+        + r", forward 4 \(decode\): attention output differs",
+        cell.detail,
     ), cell.detail
 
 

@@ -269,7 +269,8 @@ def test_by_default_cpu_and_metal_never_reach_the_kernel(monkeypatch, device):
     if device == "gpu":
         # Only the kernel's own check sees the pretended GPU; the work runs here.
         monkeypatch.setattr(_cuda_decode.mx, "default_device", lambda: mx.Device(mx.gpu))
-    monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")  # what the default will be on CUDA
+    monkeypatch.delenv("TQBATCH_DECODE_KERNEL", raising=False)
+    assert _cuda_decode.mode() == "auto"
     assert not _cuda_decode.available()
     queries, keys, values, kc, vc = _step()
     assert _cuda_decode.supports(queries, keys, values, kc, vc, None)
@@ -283,9 +284,9 @@ def test_by_default_cpu_and_metal_never_reach_the_kernel(monkeypatch, device):
 
 def test_mode_is_read_at_call_time_and_checked(monkeypatch):
     monkeypatch.delenv("TQBATCH_DECODE_KERNEL", raising=False)
-    assert _cuda_decode.mode() == "vectorized"  # opt-in until verified on a GPU
+    assert _cuda_decode.mode() == "auto"  # the kernel wherever it runs
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "")
-    assert _cuda_decode.mode() == "vectorized"
+    assert _cuda_decode.mode() == "auto"
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "Vectorized")
     assert _cuda_decode.mode() == "vectorized"
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "fast")
@@ -515,6 +516,11 @@ def _emulate(tmp_path, queries, full_keys, full_values, kc, vc, scale, starts, T
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20) to run the source")
+@pytest.mark.float32_only(
+    reason="the emulation sums in float32 and is held to 1e-4 of the vectorized path, whose "
+    "matmuls run at TF32 there (seen on an H100: 3.3e-3 on outputs up to 4.6); the kernel "
+    "against the vectorized path at TF32 is the GPU property's, with a bound derived for TF32"
+)
 @pytest.mark.parametrize(
     ("B", "n_kv", "group", "dim", "key_bits", "value_bits", "T", "starts"),
     [
