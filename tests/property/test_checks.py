@@ -1,4 +1,4 @@
-"""Every check of tqbatch.testing.checks can fail, and fails under its own identity.
+"""Every check of tqbatch.testing.contract.checks can fail, and fails under its own identity.
 
 For each check: a purpose-built broken cache (or, for the harness's own
 cross-check, a corrupted oracle) and the shortest op sequence that shows it;
@@ -13,9 +13,9 @@ import mlx.core as mx
 import pytest
 
 import tqbatch
-from tqbatch.testing.checks import CHECKS, CheckFailure, KnownFailure, failure
-from tqbatch.testing.doubles import PendingPaddingAsBatchKVCache
+from tqbatch.testing.contract.checks import CHECKS, CheckFailure, KnownFailure, failure
 from tqbatch.testing.mutants import CATCHES, FilterWithoutCompaction
+from tqbatch.testing.selfcheck.doubles import PendingPaddingAsBatchKVCache
 from tqbatch.testing.world import World
 
 Base = tqbatch.BatchTurboQuantKVCache

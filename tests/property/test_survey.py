@@ -14,15 +14,15 @@ import pytest
 
 import tqbatch
 from tqbatch import _packed
-from tqbatch.testing.campaign import CampaignResult, conforms, run_campaign, survey_test_case
-from tqbatch.testing.checks import CheckFailure, KnownFailure
-from tqbatch.testing.doubles import PendingPaddingAsBatchKVCache
+from tqbatch.testing.contract.checks import CheckFailure, KnownFailure
 from tqbatch.testing.mutants import (
     ExtractDropsLastToken,
     FilterWithoutCompaction,
     RoundtripAliasesDonor,
 )
-from tqbatch.testing.scenario import replay, write_failure
+from tqbatch.testing.replay.scenario import replay, write_failure
+from tqbatch.testing.search.campaign import CampaignResult, conforms, run_campaign, survey_test_case
+from tqbatch.testing.selfcheck.doubles import PendingPaddingAsBatchKVCache
 from tqbatch.testing.world import World
 
 

@@ -7,8 +7,8 @@ import contextlib
 from hypothesis.internal import observability
 
 from tqbatch import BatchTurboQuantKVCache
-from tqbatch.testing import campaign
 from tqbatch.testing.mutants import MUTANTS
+from tqbatch.testing.search import campaign
 
 
 def _outcome(result: campaign.CampaignResult) -> tuple:

@@ -1,4 +1,4 @@
-"""Known-failures files (``tqbatch.testing.known_failures``): the format, and a run judged by one.
+"""Known-failures files (``tqbatch.testing.gate.known_failures``): the format, a run judged by one.
 
 Each rule of the format is shown refusing a purpose-built bad file, naming
 the line; the judgement is shown on each of its three outcomes.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch.testing.known_failures import (
+from tqbatch.testing.gate.known_failures import (
     SHIPPED_DIR,
     Judgement,
     KnownFailures,

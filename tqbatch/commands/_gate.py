@@ -1,7 +1,7 @@
 """What ``conformance`` and ``fuzz --known-failures`` share: a survey judged as a CI gate.
 
-A survey's failures (``tqbatch.testing.campaign``) are judged against the
-target's known failures (``tqbatch.testing.known_failures``): a contract
+A survey's failures (``tqbatch.testing.search.campaign``) are judged against the
+target's known failures (``tqbatch.testing.gate.known_failures``): a contract
 failure that is not listed fails the run, a listed one is reported as
 expected, a listed one not found is reported as no longer failing (and fails
 the run only with ``--strict-known-failures``). Policy differences never
@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqbatch.testing.known_failures import (
+from tqbatch.testing.gate.known_failures import (
     Judgement,
     KnownFailures,
     KnownFailuresError,
@@ -157,7 +157,7 @@ class Verdict:
 
 def judge(name, impl, result, known: KnownFailures, files=(), paths=()) -> Verdict:
     """``result`` (a survey of ``impl``) against ``known``."""
-    from tqbatch.testing.impl import impl_spec, missing_capabilities, unsupported_configurations
+    from tqbatch.testing.target import impl_spec, missing_capabilities, unsupported_configurations
 
     spec = impl_spec(impl)
     contract = [f for f in result.failures if f.get("level") != "policy"]
@@ -185,7 +185,7 @@ def write_known_failures(path, verdict: Verdict, command: str) -> int:
     Each reason is what the check saw, prefixed so that a human replaces it
     with why the failure is known (an upstream issue, a decision).
     """
-    from tqbatch.testing.impl import load_impl
+    from tqbatch.testing.target import load_impl
 
     header = [
         f"Known failures of {verdict.impl}{_version_of(load_impl(verdict.impl))}.",

@@ -1,19 +1,19 @@
-"""The conformance tests tqbatch's pytest plugin runs against a cache (``tqbatch.testing.plugin``).
+"""The conformance tests tqbatch's pytest plugin (``tqbatch.testing.gate.plugin``) runs on a cache.
 
     python -m pytest --pyargs tqbatch.conformance --tqbatch-impl mypkg.cache:MyCache
 
 Against the cache under test, one module each:
 
 - ``test_bad_input.py::test_bad_input[CASE]``: each case of the bad-input
-  catalogue (``tqbatch.testing.strategies.BAD_INPUT_ERRORS``) on a batch of
+  catalogue (``tqbatch.testing.contract.strategies.BAD_INPUT_ERRORS``) on a batch of
   three rows with tokens written: rejected with the documented error, the
   cache left exactly as it was, and still in lockstep with the oracles after
   a decode step.
 - ``test_golden.py::test_golden[NAME]``: each golden scenario shipped with
-  tqbatch (``tqbatch.testing.golden``), replayed against the live oracles
+  tqbatch (``tqbatch.testing.replay.golden``), replayed against the live oracles
   and its recording (``--tqbatch-oracles-only``: the oracles alone).
 - ``test_state_machine.py::test_state_machine``: a survey of the Hypothesis
-  state machine (``tqbatch.testing.campaign``, as ``tqbatch fuzz --survey``):
+  state machine (``tqbatch.testing.search.campaign``, as ``tqbatch fuzz --survey``):
   every distinct failing check, each shrunk within the run-counted bound
   (``SHRINK_RUNS``) and then op by op, so that a failure is reported as
   soon as on the command line, at any machine speed.
@@ -24,12 +24,12 @@ Against the cache under test, one module each:
 
 They run in that order (the plugin sorts them), the fast, deterministic
 ones first, so that a broken cache fails within seconds. Each failure a test
-finds has an identity (``check@op``, ``tqbatch.testing.checks``). One listed
+finds has an identity (``check@op``, ``tqbatch.testing.contract.checks``). One listed
 in the known failures makes the test an expected failure (xfail, with the
 listed reason); one not listed fails it, naming the identity and, where
 there is an op sequence to replay, a scenario file saved under
 ``--tqbatch-failures`` with the command that reproduces it. A policy
-difference (a cache may have another legal policy: ``tqbatch.testing.checks``)
+difference (a cache may have another legal policy: ``tqbatch.testing.contract.checks``)
 does not fail a test: it is an xfail saying so, as ``tqbatch conformance``
 lists it without failing. Failures of the model matrix, and golden
 divergences from a recording rather than from a check, have no identity:
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tqbatch.testing import plugin
+from tqbatch.testing.gate import plugin
 
 __all__ = ["MODULES", "Found", "expected_failures", "failing", "judge", "options", "repro", "spec"]
 
@@ -74,7 +74,7 @@ def expected_failures(item: pytest.Item, listed) -> list[str]:
     The survey: every other listed failure (standing checks and ``check@op``).
     Golden and model tests expect none: a scenario shows whatever fails first.
     """
-    from tqbatch.testing.strategies import BAD_INPUT_ERRORS
+    from tqbatch.testing.contract.strategies import BAD_INPUT_ERRORS
 
     name = getattr(item, "originalname", None) or item.name
     if name == "test_bad_input":
@@ -87,7 +87,7 @@ def expected_failures(item: pytest.Item, listed) -> list[str]:
 
 def spec(state: plugin.Harness) -> str:
     """The target as ``module:Class``."""
-    from tqbatch.testing.impl import impl_spec
+    from tqbatch.testing.target import impl_spec
 
     return impl_spec(state.impl)
 

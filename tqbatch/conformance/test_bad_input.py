@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tqbatch.conformance import Found, failing, judge, options, repro, spec
-from tqbatch.testing.strategies import BAD_INPUT_ERRORS
+from tqbatch.testing.contract.strategies import BAD_INPUT_ERRORS
 
 # The cases in the catalogue's order: test ids that do not depend on the target.
 CASES = list(BAD_INPUT_ERRORS)
@@ -30,9 +30,9 @@ def _setup_ops(capabilities: dict) -> list[dict]:
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input(case, tqbatch_harness, request):
     """Bad input ``case`` is rejected with its documented error and changes nothing."""
-    from tqbatch.testing.checks import CheckFailure, KnownFailure
-    from tqbatch.testing.impl import capabilities
-    from tqbatch.testing.strategies import bad_input_cases, expect_error_op
+    from tqbatch.testing.contract.checks import CheckFailure, KnownFailure
+    from tqbatch.testing.contract.strategies import bad_input_cases, expect_error_op
+    from tqbatch.testing.target import capabilities
     from tqbatch.testing.world import World
 
     state = tqbatch_harness
@@ -68,7 +68,7 @@ def test_bad_input(case, tqbatch_harness, request):
         pytest.skip(f"{spec(state)} lacks what {case} needs (it lacks {', '.join(missing)})")
     found = [Found(f.identity, f.level, f.what, len(world.ops)) for f in failures]
     if raised and failing(state, found):
-        from tqbatch.testing.scenario import write_failure
+        from tqbatch.testing.replay.scenario import write_failure
 
         path = write_failure(
             world.ops,

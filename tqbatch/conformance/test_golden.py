@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 
 from tqbatch.conformance import Found, judge, repro
-from tqbatch.testing import golden, plugin
+from tqbatch.testing.gate import plugin
+from tqbatch.testing.replay import golden
 
 SCENARIOS = golden.paths()
 
 
 def _identity(divergence) -> tuple[str, str]:
     """The identity and level of a replay's divergence: its check's, where it is one."""
-    from tqbatch.testing.checks import CHECKS, CONTRACT, identity, where_of
+    from tqbatch.testing.contract.checks import CHECKS, CONTRACT, identity, where_of
 
     check = CHECKS.get(divergence.quantity)
     if check is None:  # a recording that differs, or a target that cannot be read
@@ -25,7 +26,7 @@ def _identity(divergence) -> tuple[str, str]:
 @pytest.mark.parametrize("scenario_path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
 def test_golden(scenario_path: Path, tqbatch_harness, request):
     """A golden scenario replays green against the cache."""
-    from tqbatch.testing.scenario import Scenario, replay
+    from tqbatch.testing.replay.scenario import Scenario, replay
 
     state = tqbatch_harness
     use_recording = not state.oracles_only

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tqbatch.conformance import Found, judge, spec
-from tqbatch.testing import plugin
+from tqbatch.testing.gate import plugin
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

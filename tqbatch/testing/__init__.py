@@ -4,10 +4,10 @@ Point it at an implementation with ``TQBATCH_IMPL=module:Class`` (or pytest's
 ``--impl``); the default is ``tqbatch.BatchTurboQuantKVCache``.
 
 Importing the package takes the lane ``$TQBATCH_DEVICE`` names
-(``tqbatch.testing.lane``): on ``cpu`` no Metal kernel runs in the process,
+(``tqbatch.testing.backend.lane``): on ``cpu`` no Metal kernel runs in the process,
 mlx-vlm's included. It does not import mlx.
 """
 
-from tqbatch.testing import lane as _lane
+from tqbatch.testing.backend import lane as _lane
 
 _lane.honour_environment()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from tqbatch.testing.checks import CheckFailure, KnownFailure, failure
+from tqbatch.testing.contract.checks import CheckFailure, KnownFailure, failure
 
 __all__ = ["FailureCollector"]
 

@@ -4,13 +4,13 @@ A ``World`` holds the cache under test (``target``), the numpy model of what
 it should hold (``numpy_model``), mlx-lm's full-precision ``BatchKVCache`` (``dense``)
 and what a single-request ``TurboQuantKVCache`` holds per request (``refs``).
 ``World.apply(op)`` performs one op on all of them, generating K/V and queries
-deterministically from the op's seeds (``tqbatch.testing.generation``), with
-the op's own module (``tqbatch.testing.ops``); ``World.check()`` verifies
-every invariant (``tqbatch.testing.invariants``). Both raise
+deterministically from the op's seeds (``tqbatch.testing.oracles.generation``), with
+the op's own module (``tqbatch.testing.contract.ops``); ``World.check()`` verifies
+every invariant (``tqbatch.testing.contract.invariants``). Both raise
 ``AssertionError`` naming the op and the quantity that diverged, after
 running every check of the op: the raised failure carries the others
-(``CheckFailure.also``). The state machine (``tqbatch.testing.stateful``)
-and golden-scenario replay (``tqbatch.testing.scenario``) are both built on
+(``CheckFailure.also``). The state machine (``tqbatch.testing.search.stateful``)
+and golden-scenario replay (``tqbatch.testing.replay.scenario``) are both built on
 these two calls::
 
     world = World(impl, bits=4.0, seed=0)
@@ -30,21 +30,21 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.testing import invariants, observation
-from tqbatch.testing.checks import CheckFailure, KnownFailure
 from tqbatch.testing.collector import FailureCollector
-from tqbatch.testing.generation import POISON
-from tqbatch.testing.impl import capabilities, load_impl
-from tqbatch.testing.invariants import MASK_CHECKS
-from tqbatch.testing.numpy_model import NumpyBatchModel
-from tqbatch.testing.ops import OPS
-from tqbatch.testing.reference import TurboReferences, to_numpy
+from tqbatch.testing.contract import invariants, observation
+from tqbatch.testing.contract.checks import CheckFailure, KnownFailure
+from tqbatch.testing.contract.invariants import MASK_CHECKS
+from tqbatch.testing.contract.ops import OPS
+from tqbatch.testing.oracles.generation import POISON
+from tqbatch.testing.oracles.numpy_model import NumpyBatchModel
+from tqbatch.testing.oracles.reference import TurboReferences, to_numpy
+from tqbatch.testing.target import capabilities, load_impl
 
 __all__ = ["MASK_CHECKS", "POISON", "UnsupportedOp", "World", "format_ops", "nested_ops"]
 
 
 class UnsupportedOp(Exception):
-    """The target lacks a capability the op needs (see ``tqbatch.testing.impl``)."""
+    """The target lacks a capability the op needs (see ``tqbatch.testing.target``)."""
 
 
 def nested_ops(op: dict) -> Iterator[dict]:
@@ -191,7 +191,7 @@ class World:
 
         Raises what ``apply`` and ``check`` raise, and ``ObservationError``
         where reading the target afterwards raises. The observation
-        (``tqbatch.testing.observation``): the target's geometry, masks and
+        (``tqbatch.testing.contract.observation``): the target's geometry, masks and
         packed bytes, and what the op yielded (``Op.observe``: attention
         outputs, extracted rows, the trim count).
         """

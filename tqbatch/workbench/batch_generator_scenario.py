@@ -28,7 +28,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import mlx_lm as tq_mlx_lm
 from tqbatch.cache import BatchTurboQuantKVCache
-from tqbatch.testing.reference import to_numpy
+from tqbatch.testing.oracles.reference import to_numpy
 from tqbatch.workbench.serving import ForwardLayout
 from tqbatch.workbench.serving_oracle import CacheCheckFailed
 
