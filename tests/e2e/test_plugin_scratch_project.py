@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tqbatch.testing.contract.strategies import BAD_INPUT_ERRORS
+from tqbatch.testing.contract.ops import BAD_INPUT_ERRORS
 from tqbatch.testing.replay import golden
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,8 @@ import mlx.core as mx
 import pytest
 
 import tqbatch
-from tqbatch.testing.contract.checks import CHECKS, CheckFailure, KnownFailure, failure
+from tqbatch.testing.contract.checks import CheckFailure, KnownFailure, failure
+from tqbatch.testing.contract.ops import CHECKS
 from tqbatch.testing.mutants import CATCHES, FilterWithoutCompaction
 from tqbatch.testing.selfcheck.doubles import PendingPaddingAsBatchKVCache
 from tqbatch.testing.world import World
@@ -184,15 +185,15 @@ def test_every_check_is_shown_failing():
 
 
 def test_identities_are_distinct_classes_per_op_and_case():
-    after_filter = failure("mask_values", {"op": "filter", "indices": [0]}, "x")
-    after_merge = failure("mask_values", {"op": "merge", "lengths": [1], "kv_seed": 0}, "x")
-    again = failure("mask_values", {"op": "filter", "indices": [1]}, "y")
+    after_filter = failure(CHECKS["mask_values"], {"op": "filter", "indices": [0]}, "x")
+    after_merge = failure(CHECKS["mask_values"], {"op": "merge", "lengths": [1], "kv_seed": 0}, "x")
+    again = failure(CHECKS["mask_values"], {"op": "filter", "indices": [1]}, "y")
     assert after_filter.identity == "mask_values@filter" and type(after_filter) is type(again)
     assert type(after_filter) is not type(after_merge)
     # A standing property of the cache is one identity, whatever the op.
-    assert failure("size", {"op": "filter"}, "x").identity == "size"
+    assert failure(CHECKS["size"], {"op": "filter"}, "x").identity == "size"
     bad = _bad("filter-empty", {"op": "filter", "indices": []}, "ValueError")
-    assert failure("rejects", bad, "x").identity == "rejects@filter-empty"
+    assert failure(CHECKS["rejects"], bad, "x").identity == "rejects@filter-empty"
 
 
 def test_tolerated_failures_run_on_or_stop_where_diverged():

@@ -39,10 +39,10 @@ from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import BatchTurboQuantKVCache
-from tqbatch.testing.gate.known_failures import failure_key
 from tqbatch.testing.oracles.generation import POISON
 from tqbatch.testing.oracles.numpy_model import causal_mask
 from tqbatch.testing.oracles.tolerances import attention_tolerance, content_tolerance
+from tqbatch.testing.search.machine_observer import failure_key
 from tqbatch.testing.target import load_impl
 
 # The class under test: tqbatch's own unless $TQBATCH_IMPL / --impl names

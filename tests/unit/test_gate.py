@@ -29,6 +29,7 @@ from hypothesis import given
 from tqbatch import cli
 from tqbatch.exitcodes import ExitCode
 from tqbatch.testing.contract import strategies as tqs
+from tqbatch.testing.contract.ops import bad_input_cases
 from tqbatch.testing.gate.known_failures import KnownFailures
 from tqbatch.testing.replay import golden
 from tqbatch.testing.replay.scenario import Scenario, replay
@@ -256,9 +257,9 @@ def test_configurations_a_constructor_cannot_take_are_not_drawn(config):
 
 def test_bad_input_needing_another_seed_is_not_drawn_without_one():
     caps = capabilities(WithoutSeed)
-    cases = [case for case, _ in tqs.bad_input_cases(2, 3, caps, 0)]
+    cases = [case for case, _ in bad_input_cases(2, 3, caps, 0)]
     assert "extend-mixed-config" not in cases and "merge-mixed-config" in cases
-    full = [case for case, _ in tqs.bad_input_cases(2, 3, capabilities(WithoutSplitBits), 0)]
+    full = [case for case, _ in bad_input_cases(2, 3, capabilities(WithoutSplitBits), 0)]
     assert "extend-mixed-config" in full
 
 

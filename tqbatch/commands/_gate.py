@@ -18,10 +18,10 @@ from tqbatch.testing.gate.known_failures import (
     Judgement,
     KnownFailures,
     KnownFailuresError,
-    failure_key,
     format_known_failures,
     shipped,
 )
+from tqbatch.testing.search.machine_observer import failure_key
 
 
 def add_known_failures_arguments(parser, *, per_target: bool) -> None:

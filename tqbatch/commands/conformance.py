@@ -37,7 +37,7 @@ from pathlib import Path
 from tqbatch.commands import console as make_console
 from tqbatch.commands import step_summary
 from tqbatch.exitcodes import ExitCode
-from tqbatch.testing.gate.known_failures import failure_key
+from tqbatch.testing.search.machine_observer import failure_key
 from tqbatch.testing.target import ALIASES, resolve_alias
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch.conformance import Found, failing, judge, options, repro, spec
-from tqbatch.testing.contract.strategies import BAD_INPUT_ERRORS
+from tqbatch.testing.contract.ops import BAD_INPUT_ERRORS
+from tqbatch.testing.gate.session import BY_CASE, Found, failing, judge, options, repro, spec
 
 # The cases in the catalogue's order: test ids that do not depend on the target.
 CASES = list(BAD_INPUT_ERRORS)
@@ -27,11 +27,12 @@ def _setup_ops(capabilities: dict) -> list[dict]:
     return ops + [{"op": "attend", "queries": 1, "q_heads": Q_HEADS, "q_seed": 2}]
 
 
+@pytest.mark.tqbatch_expects(BY_CASE)
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input(case, tqbatch_harness, request):
     """Bad input ``case`` is rejected with its documented error and changes nothing."""
     from tqbatch.testing.contract.checks import CheckFailure, KnownFailure
-    from tqbatch.testing.contract.strategies import bad_input_cases, expect_error_op
+    from tqbatch.testing.contract.ops import bad_input_cases, expect_error_op
     from tqbatch.testing.target import capabilities
     from tqbatch.testing.world import World
 

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tqbatch.conformance import Found, judge, repro
-from tqbatch.testing.gate import plugin
+from tqbatch.testing.gate.session import FOUND, Found, judge, repro
 from tqbatch.testing.replay import golden
 
 SCENARIOS = golden.paths()
@@ -15,7 +14,8 @@ SCENARIOS = golden.paths()
 
 def _identity(divergence) -> tuple[str, str]:
     """The identity and level of a replay's divergence: its check's, where it is one."""
-    from tqbatch.testing.contract.checks import CHECKS, CONTRACT, identity, where_of
+    from tqbatch.testing.contract.checks import CONTRACT, identity, where_of
+    from tqbatch.testing.contract.ops import CHECKS
 
     check = CHECKS.get(divergence.quantity)
     if check is None:  # a recording that differs, or a target that cannot be read
@@ -46,7 +46,7 @@ def test_golden(scenario_path: Path, tqbatch_harness, request):
         # Listed failures it ran past are still failures found: the known-failures
         # summary counts them as still failing, not as unchecked.
         for identity in result.tolerated:
-            request.node.user_properties.append((plugin.FOUND, identity))
+            request.node.user_properties.append((FOUND, identity))
         return
     first = result.divergences[0]
     identity, level = _identity(first)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch.conformance import Found, judge, spec
 from tqbatch.testing.gate import plugin
+from tqbatch.testing.gate.session import Found, judge, spec
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

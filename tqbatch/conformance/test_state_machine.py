@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tqbatch.conformance import Found, failing, judge, options, repro
+from tqbatch.testing.gate.session import BY_OP, Found, failing, judge, options, repro
 
 
 class _Live:
@@ -24,7 +24,7 @@ class _Live:
         self.started = False
 
     def __call__(self, result) -> None:
-        from tqbatch.testing.gate.known_failures import failure_key
+        from tqbatch.testing.search.machine_observer import failure_key
 
         # By identity: the processes' failures come in process order, not in the order found.
         new = [f for f in result.failures if failure_key(f) not in self.shown]
@@ -54,6 +54,7 @@ def _importable_spec(impl: type) -> str | None:
         return None
 
 
+@pytest.mark.tqbatch_expects(BY_OP)
 def test_state_machine(tqbatch_harness, request):
     """A survey of the state machine lists no failure that is not known."""
     from hypothesis import settings

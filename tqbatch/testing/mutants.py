@@ -23,7 +23,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import _packed
 from tqbatch.cache import BatchTurboQuantKVCache, _as_packed
-from tqbatch.testing.contract.checks import CHECKS
+from tqbatch.testing.contract.ops import CHECKS
 
 __all__ = [
     "MUTANTS",

@@ -33,14 +33,13 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 from tqbatch.testing.collector import FailureCollector
 from tqbatch.testing.contract import invariants, observation
 from tqbatch.testing.contract.checks import CheckFailure, KnownFailure
-from tqbatch.testing.contract.invariants import MASK_CHECKS
-from tqbatch.testing.contract.ops import OPS
+from tqbatch.testing.contract.ops import OPS, VOCABULARY, Vocabulary
 from tqbatch.testing.oracles.generation import POISON
 from tqbatch.testing.oracles.numpy_model import NumpyBatchModel
 from tqbatch.testing.oracles.reference import TurboReferences, to_numpy
 from tqbatch.testing.target import capabilities, load_impl
 
-__all__ = ["MASK_CHECKS", "POISON", "UnsupportedOp", "World", "format_ops", "nested_ops"]
+__all__ = ["UnsupportedOp", "World", "format_ops", "nested_ops"]
 
 
 class UnsupportedOp(Exception):
@@ -85,6 +84,10 @@ class World:
     tolerated failures seen so far).
     """
 
+    # The op vocabulary the world executes, with its catalogues (checks, bad
+    # inputs): an op that runs another op (``expect_error``) reads it here.
+    vocabulary: Vocabulary = VOCABULARY
+
     def __init__(
         self,
         impl: type | None = None,
@@ -106,7 +109,7 @@ class World:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self._ids = ids if ids is not None else itertools.count()
         self.contract_checks = contract_checks
-        self.failures = FailureCollector(tolerate)
+        self.failures = FailureCollector(self.vocabulary.checks, tolerate)
         self.target = None
         self.numpy_model = NumpyBatchModel(kv_heads, head_dim, self._ids)
         self.dense = None  # a DenseReference once a batch exists

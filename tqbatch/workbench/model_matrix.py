@@ -549,7 +549,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
             if scenario == "batch_generator":
                 from tqbatch.workbench import batch_generator_scenario
 
-                batch_generator_scenario.run(adapter, requests)
+                batch_generator_scenario.run(adapter, requests, bits=BITS, seed=SEED)
             else:
                 server = ContinuousBatcher(model, probe=False, observer=oracle, adapter=adapter)
                 _SCENARIO_RUNS[scenario](server, requests)

@@ -51,17 +51,16 @@ import json
 from dataclasses import dataclass
 
 __all__ = [
-    "CHECKS",  # noqa: F822 (module __getattr__)
+    "COMMON_CHECKS",
     "CONTRACT",
     "HARNESS",
     "POLICY",
-    "POLICY_CASES",  # noqa: F822 (module __getattr__)
     "Check",
     "CheckFailure",
     "KnownFailure",
     "failure",
     "identity",
-    "register",
+    "where_of",
 ]
 
 CONTRACT, POLICY, HARNESS = "contract", "policy", "harness"
@@ -79,9 +78,10 @@ class Check:
 
 
 # The checks every op is held to (after every op: ``tqbatch.testing.contract.invariants``)
-# and the executor's own; each op module declares the checks only it reports
-# (``Op.checks``), registered when ``tqbatch.testing.contract.ops`` is imported.
-_CHECKS: dict[str, Check] = {
+# and the executor's own. Each op module declares the checks only it reports
+# (``Op.checks``); the whole catalogue, these first, is ``CHECKS`` of
+# ``tqbatch.testing.contract.ops``, gathered from the op declarations.
+COMMON_CHECKS: dict[str, Check] = {
     c.name: c
     for c in (
         Check("raises", CONTRACT, True, "a legal op completes without raising"),
@@ -115,32 +115,6 @@ _CHECKS: dict[str, Check] = {
 }
 
 
-def register(checks) -> None:
-    """Add an op module's own checks to the catalogue (names are unique across ops)."""
-    for check in checks:
-        if _CHECKS.get(check.name, check) != check:
-            raise ValueError(f"check {check.name!r} is declared twice")
-        _CHECKS[check.name] = check
-
-
-def _catalogue() -> dict[str, Check]:
-    import tqbatch.testing.contract.ops  # noqa: F401  (registers every op's checks)
-
-    return _CHECKS
-
-
-def __getattr__(name: str):
-    # ``CHECKS`` and ``POLICY_CASES`` span every op module: complete only once
-    # the ops are imported, which importing them from here does.
-    if name == "CHECKS":
-        return _catalogue()
-    if name == "POLICY_CASES":
-        from tqbatch.testing.contract.ops import policy_cases
-
-        return policy_cases()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def identity(check: str, where: str | None) -> str:
     """``check@where``: what failed, and on which op (or bad-input case); ``check`` alone
     for a check that is not per op."""
@@ -148,7 +122,7 @@ def identity(check: str, where: str | None) -> str:
 
 
 class CheckFailure(AssertionError):
-    """A check of ``CHECKS`` failed after ``op``; ``str()`` is the message."""
+    """A check failed after ``op``; ``str()`` is the message."""
 
     check: Check
     where: str | None
@@ -207,8 +181,7 @@ def where_of(op: dict | None) -> str:
     return str(op.get("op"))
 
 
-def failure(check: str, op: dict | None, what: str) -> CheckFailure:
+def failure(check: Check, op: dict | None, what: str) -> CheckFailure:
     """The ``CheckFailure`` of ``check`` after ``op``, with the usual message."""
-    spec = _catalogue()[check]
-    cls = _class_for(spec, where_of(op) if spec.per_op else None)
-    return cls(f"[{spec.name}] after {json.dumps(op) if op else 'start'}: {what}", what)
+    cls = _class_for(check, where_of(op) if check.per_op else None)
+    return cls(f"[{check.name}] after {json.dumps(op) if op else 'start'}: {what}", what)

@@ -38,16 +38,9 @@ __all__ = [
     "Judgement",
     "KnownFailures",
     "KnownFailuresError",
-    "failure_key",
     "format_known_failures",
     "shipped",
 ]
-
-
-def failure_key(failure: dict) -> str:
-    """What a campaign's failure is listed and told apart by: its identity (check@op),
-    or its message where the harness itself failed and there is no identity."""
-    return failure.get("identity") or failure.get("message", "")
 
 
 # The lists shipped as package data (pyproject's package-data).
@@ -104,7 +97,7 @@ class KnownFailures:
     @classmethod
     def parse(cls, text: str, source: str = "<known failures>") -> KnownFailures:
         """The list in ``text`` (the file format above); ``source`` names it in errors."""
-        from tqbatch.testing.contract.checks import CHECKS
+        from tqbatch.testing.contract.ops import CHECKS
 
         entries: dict[str, str] = {}
         lines: dict[str, int] = {}
@@ -124,7 +117,7 @@ class KnownFailures:
             if check not in CHECKS:
                 raise KnownFailuresError(
                     f"{where}: {identity!r} is not a failure identity: its check {check!r} "
-                    f"is none of tqbatch.testing.contract.checks ({', '.join(sorted(CHECKS))})"
+                    f"is none of tqbatch.testing.contract.ops.CHECKS ({', '.join(sorted(CHECKS))})"
                 )
             if identity in entries:
                 raise KnownFailuresError(

@@ -47,21 +47,23 @@ lists every listed failure that no test found.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from tqbatch.testing import backend
 from tqbatch.testing.backend import lane
+from tqbatch.testing.gate.session import (
+    CONFORMANCE,
+    EXPECTED,
+    EXPECTS,
+    FOUND,
+    MODULES,
+    Harness,
+    expected_failures,
+)
 
-__all__ = [
-    "CONFORMANCE",
-    "NAME",
-    "Harness",
-    "activate",
-    "harness",
-]
+__all__ = ["NAME", "activate", "harness"]
 
 # Two, whatever the machine: the survey's examples depend on the number (each
 # process draws under its own seed), and a verdict must not depend on the
@@ -76,44 +78,6 @@ SURVEY_PROCESSES = 2
 QUIET_ROUNDS = 6
 
 NAME = "tqbatch"  # the entry point's name: `-p no:tqbatch` turns the plugin off
-CONFORMANCE = "tqbatch.conformance"
-# Names of the user properties a conformance test records (also in JUnit XML).
-FOUND = "tqbatch_found"  # an identity the test found failing
-EXPECTED = "tqbatch_expected"  # a listed identity the test was expected to show
-
-
-@dataclass
-class Harness:
-    """What the conformance tests run against, and with what, for one pytest session."""
-
-    impl_spec: str | None = None  # None: $TQBATCH_IMPL, else tqbatch's own class
-    examples: int | None = None  # None: the profile's max_examples
-    seed: int = 0
-    survey_processes: int = SURVEY_PROCESSES
-    quiet_rounds: int = QUIET_ROUNDS  # 0: the survey runs its whole budget
-    profile: str = "dev"
-    known: object | None = None  # a tqbatch.testing.gate.known_failures.KnownFailures
-    known_path: Path | None = None
-    strict: bool = False
-    models: bool = False
-    oracles_only: bool = False
-    failures_dir: Path = field(default_factory=lambda: Path("tqbatch-failures"))
-    invocation_dir: Path = field(default_factory=Path.cwd)
-    backend: dict | None = None
-    impl: type | None = None
-    checked: bool = False  # the backend check ran (and passed)
-
-    @property
-    def listed(self) -> dict[str, str]:
-        """The known failures, identity -> reason (empty without a file)."""
-        return dict(getattr(self.known, "entries", None) or {})
-
-    def shown(self, path: Path) -> str:
-        """``path`` as a user at the invocation directory types it."""
-        try:
-            return str(Path(path).resolve().relative_to(self.invocation_dir.resolve()))
-        except ValueError:
-            return str(path)
 
 
 _HARNESS = pytest.StashKey[Harness]()
@@ -353,6 +317,11 @@ def _profile(config: pytest.Config) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before Hypothesis's plugin loads --hypothesis-profile
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{EXPECTS}(which): the listed known failures a conformance test is expected to show "
+        "(tqbatch.testing.gate.session.expected_failures)",
+    )
     config.pluginmanager.register(_Summary(config), f"{NAME}-summary")
     try:
         from tqbatch.testing.search.profiles import register_profiles
@@ -432,10 +401,8 @@ def pytest_collection_modifyitems(
     slots = [i for i, item in enumerate(items) if _is_conformance(item)]
     if not slots:
         return
-    import tqbatch.conformance as conformance
-
     # The fast, deterministic tests first: a broken cache fails within seconds.
-    order = {name: rank for rank, name in enumerate(conformance.MODULES)}
+    order = {name: rank for rank, name in enumerate(MODULES)}
     ours = sorted(
         (items[i] for i in slots),
         key=lambda item: order.get(item.module.__name__.rpartition(".")[2], len(order)),
@@ -462,7 +429,7 @@ def pytest_collection_modifyitems(
     if not listed:
         return
     for item in ours:
-        expected = conformance.expected_failures(item, listed)
+        expected = expected_failures(item, listed)
         if expected:
             # Only an xfail the test itself raises (its failures all listed)
             # counts: any other failure fails it; no failure at all is XPASS.

@@ -42,9 +42,9 @@ import numpy as np
 
 from tqbatch.testing.backend import describe as describe_backend
 from tqbatch.testing.backend import matmul_precision
-from tqbatch.testing.contract.checks import CHECKS, KnownFailure, identity, where_of
+from tqbatch.testing.contract.checks import KnownFailure, identity, where_of
 from tqbatch.testing.contract.observation import ObservationError
-from tqbatch.testing.contract.ops import OPS, merge, recorded_quantity
+from tqbatch.testing.contract.ops import CHECKS, OPS, merge, recorded_quantity
 from tqbatch.testing.oracles.tolerances import EXACT, PACKED_CROSS_PLATFORM
 from tqbatch.testing.target import impl_spec, load_impl
 from tqbatch.testing.world import World, format_ops, nested_ops

@@ -72,9 +72,9 @@ from hypothesis.errors import Unsatisfiable
 from hypothesis.reporting import current_reporter, with_reporter
 from hypothesis.stateful import get_state_machine_test
 
-from tqbatch.testing.contract.checks import CHECKS, HARNESS
-from tqbatch.testing.gate.known_failures import failure_key
-from tqbatch.testing.search.machine_observer import MachineObserver
+from tqbatch.testing.contract.checks import HARNESS
+from tqbatch.testing.contract.ops import CHECKS
+from tqbatch.testing.search.machine_observer import MachineObserver, failure_key
 from tqbatch.testing.search.minimize import minimize
 from tqbatch.testing.search.profiles import register_profiles
 from tqbatch.testing.search.stateful import UnsupportedOpsWarning, machine_for
@@ -168,7 +168,7 @@ def shrink_budget(runs: int | None, clock: RunClock) -> Iterator[None]:
 class CampaignResult:
     """What a campaign found and what it ran.
 
-    ``failures``: dicts of ``tqbatch.testing.search.stateful.Failure`` (identity,
+    ``failures``: dicts of ``tqbatch.testing.search.machine_observer.Failure`` (identity,
     check, level, ops, config, message, ...), one per identity, in the order
     found; ``tolerated`` the identities tolerated when each was found is in
     its ``tolerated`` key, and its ``replayed`` key says whether it was found
@@ -591,7 +591,7 @@ def campaign_key(impl: type, *, contract_checks: bool = True, survey: bool = Fal
 def _diverging_cases(identities) -> set[str]:
     """Bad-input cases whose known failure diverges the target (accepted, or changed the
     cache): drawing them again would only throw the rest of the example away."""
-    from tqbatch.testing.contract.strategies import BAD_INPUT_ERRORS
+    from tqbatch.testing.contract.ops import BAD_INPUT_ERRORS
 
     cases = set()
     for identity in identities:

@@ -5,17 +5,45 @@ example is kept here: ``machine_for`` binds one ``MachineObserver`` to the
 machine class it makes (a fresh one unless one is handed in), and every
 example reports to it. A campaign (``tqbatch.testing.search.campaign``) or a mutant
 hunt (``tqbatch.testing.selfcheck.selftest``) makes its own and reads it; two machines
-with their own observers share nothing.
+with their own observers share nothing. A failed example is recorded as a
+``Failure``; a campaign hands failures on as dicts of it, told apart by
+``failure_key``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-if TYPE_CHECKING:  # stateful imports this module
-    from tqbatch.testing.search.stateful import Failure
+__all__ = ["Failure", "MachineObserver", "failure_key"]
 
-__all__ = ["MachineObserver"]
+
+@dataclass
+class Failure:
+    """A failing run: the world configuration, the ops up to the failure, the message.
+
+    ``identity``, ``check`` and ``level`` come from the ``CheckFailure`` (empty
+    for anything else, e.g. a crash of the harness itself); ``also`` the
+    identities of the other checks that failed after the same op (tolerated
+    ones left out); ``final`` says whether Hypothesis was replaying its
+    shrunk example when it was recorded.
+    """
+
+    impl: str
+    config: dict
+    ops: list = field(default_factory=list)
+    message: str = ""
+    identity: str = ""
+    check: str = ""
+    level: str = ""
+    what: str = ""
+    also: list = field(default_factory=list)
+    final: bool = False
+
+
+def failure_key(failure: dict) -> str:
+    """What a campaign's failure is listed and told apart by: its identity (check@op),
+    or its message where the harness itself failed and there is no identity."""
+    return failure.get("identity") or failure.get("message", "")
 
 
 class MachineObserver:

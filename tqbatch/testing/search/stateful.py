@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from hypothesis import note, reject
 from hypothesis import strategies as st
@@ -41,7 +40,8 @@ from hypothesis.stateful import (
 from tqbatch.testing.contract import strategies as tqs
 from tqbatch.testing.contract.checks import CheckFailure, KnownFailure
 from tqbatch.testing.contract.ops import OPS, Rule
-from tqbatch.testing.search.machine_observer import MachineObserver
+from tqbatch.testing.contract.ops.batches import first_batch_ops
+from tqbatch.testing.search.machine_observer import Failure, MachineObserver
 from tqbatch.testing.target import (
     CONFIGURATIONS,
     capabilities,
@@ -53,7 +53,6 @@ from tqbatch.testing.world import World
 
 __all__ = [
     "BatchCacheMachine",
-    "Failure",
     "UnsupportedOpsWarning",
     "machine_for",
     "machine_test_case",
@@ -62,29 +61,6 @@ __all__ = [
 
 class UnsupportedOpsWarning(UserWarning):
     """The target lacks some operations; their rules are skipped."""
-
-
-@dataclass
-class Failure:
-    """A failing run: the world configuration, the ops up to the failure, the message.
-
-    ``identity``, ``check`` and ``level`` come from the ``CheckFailure`` (empty
-    for anything else, e.g. a crash of the harness itself); ``also`` the
-    identities of the other checks that failed after the same op (tolerated
-    ones left out); ``final`` says whether Hypothesis was replaying its
-    shrunk example when it was recorded.
-    """
-
-    impl: str
-    config: dict
-    ops: list = field(default_factory=list)
-    message: str = ""
-    identity: str = ""
-    check: str = ""
-    level: str = ""
-    what: str = ""
-    also: list = field(default_factory=list)
-    final: bool = False
 
 
 class BatchCacheMachine(RuleBasedStateMachine):
@@ -199,7 +175,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
         self.config = config
         note(f"World({impl_spec(impl)}, **{json.dumps(config)})")
         self.world = self._make_world()
-        self._run(*data.draw(tqs.first_batch_ops(self.caps), label="first batch"))
+        self._run(*data.draw(first_batch_ops(self.caps), label="first batch"))
 
     # -------------------------------------------------------------- invariant
 

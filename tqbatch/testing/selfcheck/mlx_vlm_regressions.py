@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_vlm.turboquant import BatchTurboQuantKVCache
 
-from tqbatch.testing.contract.checks import CHECKS
+from tqbatch.testing.contract.ops import CHECKS
 
 __all__ = ["REGRESSIONS", "CATCHES", "import_path"]
 

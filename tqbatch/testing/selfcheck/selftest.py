@@ -27,10 +27,10 @@ from hypothesis import Phase, settings
 
 from tqbatch.testing.mutants import CATCHES, MUTANTS
 from tqbatch.testing.search.campaign import MINIMIZE_REPLAYS, SHRINK_RUNS, RunClock, shrink_budget
-from tqbatch.testing.search.machine_observer import MachineObserver
+from tqbatch.testing.search.machine_observer import Failure, MachineObserver
 from tqbatch.testing.search.minimize import minimize
 from tqbatch.testing.search.profiles import PROFILES
-from tqbatch.testing.search.stateful import Failure, UnsupportedOpsWarning, machine_for
+from tqbatch.testing.search.stateful import UnsupportedOpsWarning, machine_for
 
 __all__ = ["Hunt", "hunt", "main"]
 

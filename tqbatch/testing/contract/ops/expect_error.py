@@ -6,6 +6,7 @@ import builtins
 
 import mlx.core as mx
 import numpy as np
+from hypothesis import strategies as st
 
 from tqbatch.testing.contract.checks import CONTRACT, POLICY, Check, CheckFailure, KnownFailure
 from tqbatch.testing.contract.invariants import MASK_CHECKS
@@ -21,25 +22,21 @@ def _error_type(op) -> type[BaseException] | None:
 
 
 def _validate(world, op):
-    from tqbatch.testing.contract.ops import OPS
-
     if _error_type(op) is None:
         raise ValueError(f"expect_error: {op['error']!r} is not a builtin exception type")
-    if op["inner"].get("op") not in OPS:
+    if op["inner"].get("op") not in world.vocabulary.ops:
         raise ValueError(f"expect_error: unknown inner op {op['inner'].get('op')!r}")
 
 
 def _run(world, op):
     """The inner op's target phase between two snapshots of the target; settles the op's
     failures itself (raises, or returns the expected error's name)."""
-    from tqbatch.testing.contract.ops import OPS, policy_cases
-
     inner, expected, exc_type = op["inner"], op["error"], _error_type(op)
     before = _read_snapshot(world, op)
     accepted = False
     with world.failures.collecting() as found:
         try:
-            OPS[inner["op"]].target(world, inner)
+            world.vocabulary.ops[inner["op"]].target(world, inner)
         except (CheckFailure, KnownFailure):  # from the nested world of an extend
             raise
         except exc_type:
@@ -54,7 +51,8 @@ def _run(world, op):
             )
         else:
             accepted = True
-            check = "rejects_by_policy" if op.get("case") in policy_cases() else "rejects"
+            policy = op.get("case") in world.vocabulary.policy_cases
+            check = "rejects_by_policy" if policy else "rejects"
             world.report(check, op, f"expected {expected}, the target accepted the op")
         if not accepted:
             # Rejected: nothing may have changed. (An accepted op changed the
@@ -137,11 +135,37 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _bad_input(machine, data):
-    from tqbatch.testing.contract.strategies import bad_input_op
+@st.composite
+def bad_input_op(
+    draw,
+    vocabulary,
+    batch_size: int,
+    written: int,
+    capabilities: dict,
+    world_seed: int,
+    avoid=frozenset(),
+):
+    """An ``expect_error`` op whose inner op the contract requires to be rejected, from
+    ``vocabulary``'s bad-input catalogue (``Vocabulary.bad_input_cases``).
 
+    Each op names its ``case``: the identity a survey reports it under.
+    Cases in ``avoid`` are not drawn (while any other is left).
+    """
+    choices = vocabulary.bad_input_cases(batch_size, written, capabilities, world_seed)
+    choices = [c for c in choices if c[0] not in avoid] or choices
+    # The op kind first, then the variant: every kind of bad input is equally
+    # likely, however many variants it has (a flat draw under-samples kinds
+    # listed late, such as extend with a mixed configuration).
+    kinds = sorted({inner["op"] for _, inner in choices})
+    kind = draw(st.sampled_from(kinds))
+    case, inner = draw(st.sampled_from([c for c in choices if c[1]["op"] == kind]))
+    return vocabulary.expect_error_op(case, inner)
+
+
+def _bad_input(machine, data):
     op = data.draw(
         bad_input_op(
+            machine.world.vocabulary,
             machine.numpy_model.batch_size,
             machine.numpy_model.end,
             machine.caps,
@@ -163,7 +187,7 @@ OP = Op(
     optional=(
         (
             "`case: str`",
-            "the bad input's name (`tqbatch.testing.contract.strategies.BAD_INPUT_ERRORS`): a "
+            "the bad input's name (`tqbatch.testing.contract.ops.BAD_INPUT_ERRORS`): a "
             "survey reports each case as its own failure",
         ),
     ),
@@ -183,6 +207,6 @@ OP = Op(
         "`expect_error.error` names a builtin exception type; a subclass matches. A different "
         "exception is a *policy* difference (check `error_type`); an accepted op (`rejects`) or "
         "a changed cache (`unchanged`) are failures. The checks and their levels: "
-        "`tqbatch.testing.contract.checks.CHECKS`.",
+        "`tqbatch.testing.contract.ops.CHECKS`.",
     ),
 )

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import BatchRotatingKVCache
 
 from tqbatch.testing.contract import strategies as tqs
+from tqbatch.testing.contract.ops.batches import other_batch_ops
 from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule
 
 
@@ -32,7 +33,7 @@ def _oracles(world, op, other):
 
 def _extend(machine, data):
     room = tqs.MAX_ROWS - machine.numpy_model.batch_size
-    other = data.draw(tqs.other_batch_ops(machine.caps, max_rows=min(2, room)), label="other")
+    other = data.draw(other_batch_ops(machine.caps, max_rows=min(2, room)), label="other")
     op = {"op": "extend", "other": other}
     if data.draw(st.integers(0, 3), label="full precision") == 0:
         op["as_dense"] = True  # joiners handed over in mlx-lm's BatchKVCache

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from tqbatch.testing.contract import strategies as tqs
+from tqbatch.testing.contract.ops.batches import other_batch_ops
 from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule
 from tqbatch.testing.contract.ops.filter import filter_indices
 
@@ -38,7 +39,7 @@ def _right_padded_append(machine, data):
         ops.insert(-1, {"op": "roundtrip"})
     elif what == "extend" and machine.has("extend") and B < tqs.MAX_ROWS:
         room = min(2, tqs.MAX_ROWS - B)
-        other = data.draw(tqs.other_batch_ops(machine.caps, max_rows=room), label="other")
+        other = data.draw(other_batch_ops(machine.caps, max_rows=room), label="other")
         ops.insert(-1, {"op": "extend", "other": other})
     return ops
 
