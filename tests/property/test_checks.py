@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 import tqbatch
-from tqbatch.testing.contract.checks import CheckFailure, KnownFailure, failure
+from tqbatch.testing.contract.checks import CheckFailure, ToleratedDivergence, failure
 from tqbatch.testing.contract.ops import CHECKS
 from tqbatch.testing.mutants import CATCHES, FilterWithoutCompaction
 from tqbatch.testing.selfcheck.doubles import PendingPaddingAsBatchKVCache
@@ -204,7 +204,7 @@ def test_tolerated_failures_run_on_or_stop_where_diverged():
     # ...a diverging one (an accepted bad input) ends it.
     world = World(Base, bits=4.0, seed=0, kv_heads=2, head_dim=64, tolerate=lambda f: True)
     world.apply(PREFILL[0])
-    with pytest.raises(KnownFailure):
+    with pytest.raises(ToleratedDivergence):
         world.apply(_bad("filter-in-range", {"op": "filter", "indices": [0]}, "IndexError"))
 
 

@@ -152,7 +152,7 @@ def run(args) -> int:
         )
         progress.done(result.examples)
         paths = _save(result, impl, args) if args.out else []
-        verdict = _gate.judge(name, impl, result, known[name], files[name], paths)
+        verdict = _gate.verdict_of(name, impl, result, known[name], files[name], paths)
         verdicts.append(verdict)
         stream = sys.stderr if quiet_stdout else sys.stdout
         print(_line(verdict, args.strict_known_failures), file=stream, flush=True)
@@ -179,8 +179,8 @@ def run(args) -> int:
                 if v.failing
                 else []
             )
-            if args.strict_known_failures and v.judgement.fixed:
-                why.append(f"listed but not found {', '.join(v.judgement.fixed)}")
+            if args.strict_known_failures and v.triage.fixed:
+                why.append(f"listed but not found {', '.join(v.triage.fixed)}")
             print(f"tqbatch conformance: {v.name}: {'; '.join(why)}", file=sys.stderr)
     if args.markdown:
         print(_markdown(verdicts, args))
@@ -274,7 +274,7 @@ def _markdown(verdicts, args) -> str:
             "|---|---|---|---|",
         ]
         for v in judged:
-            j = v.judgement
+            j = v.triage
             lines.append(
                 f"| `{_short(v.name)}` | {len(j.known)} | {_cell(v.failing)} | {_cell(j.fixed)} |"
             )

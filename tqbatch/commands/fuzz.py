@@ -237,7 +237,7 @@ def run(args) -> int:
     verdict = None
     if args.survey:
         _print_survey(result, paths)
-        verdict = _gate.judge(target, impl, result, known, known_files, paths)
+        verdict = _gate.verdict_of(target, impl, result, known, known_files, paths)
         for line in verdict.report_lines(args.strict_known_failures):
             console.print(escape(line.strip()))
     elif result.failure:
@@ -363,7 +363,7 @@ def _markdown(result, target, backend, paths, database, code, verdict=None) -> s
         f"| failures | {len(result.failures)} |",
     ]
     if verdict is not None and verdict.known_failures:
-        j = verdict.judgement
+        j = verdict.triage
         lines += [
             f"| known failures found | {len(j.known)} |",
             f"| not known (fail the run) | {md_cell(', '.join(verdict.failing))} |",

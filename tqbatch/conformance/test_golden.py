@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tqbatch.testing.gate.session import FOUND, Found, judge, repro
+from tqbatch.testing.gate.session import FOUND, Found, conclude, repro
 from tqbatch.testing.replay import golden
 
 SCENARIOS = golden.paths()
@@ -61,4 +61,4 @@ def test_golden(scenario_path: Path, tqbatch_harness, request):
             first, (identity, level) = plain.divergences[0], cause
     what = f"{first}{built}"
     found = Found(identity, level, what, len(scenario.ops), repro(state, scenario_path))
-    judge(request, state, [found], note=built)
+    conclude(request, state, [found], note=built)

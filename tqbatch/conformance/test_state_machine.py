@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tqbatch.testing.gate.session import BY_OP, Found, failing, judge, options, repro
+from tqbatch.testing.gate.session import BY_OP, Found, conclude, failing, options, repro
 
 
 class _Live:
@@ -105,4 +105,4 @@ def test_state_machine(tqbatch_harness, request):
         for mine, path in zip(new, paths):
             if path is not None:
                 mine.repro = repro(state, path)
-    judge(request, state, found)
+    conclude(request, state, found)

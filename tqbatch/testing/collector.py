@@ -4,7 +4,7 @@ Every check of an op runs whatever the others found: the failures are kept
 while the op's checks run (``collecting``) and settled afterwards
 (``settle``): the first one not tolerated is raised, carrying the others
 (``CheckFailure.also``); tolerated ones are kept; where only tolerated ones
-failed and one of them diverged the target, ``KnownFailure`` ends the run.
+failed and one of them diverged the target, ``ToleratedDivergence`` ends the run.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from tqbatch.testing.contract.checks import Check, CheckFailure, KnownFailure, failure
+from tqbatch.testing.contract.checks import Check, CheckFailure, ToleratedDivergence, failure
 
 __all__ = ["FailureCollector"]
 
@@ -92,4 +92,4 @@ class FailureCollector:
             raise first
         diverged = [f for f in unique if f.check.diverged]
         if diverged:
-            raise KnownFailure(diverged[0])
+            raise ToleratedDivergence(diverged[0])

@@ -32,7 +32,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch.testing.collector import FailureCollector
 from tqbatch.testing.contract import invariants, observation
-from tqbatch.testing.contract.checks import CheckFailure, KnownFailure
+from tqbatch.testing.contract.checks import CheckFailure, ToleratedDivergence
 from tqbatch.testing.contract.ops import OPS, VOCABULARY, Vocabulary
 from tqbatch.testing.oracles.generation import POISON
 from tqbatch.testing.oracles.numpy_model import NumpyBatchModel
@@ -157,7 +157,7 @@ class World:
         Raises ``UnsupportedOp`` if the target lacks a needed capability,
         ``CheckFailure`` (an ``AssertionError``) if the target misbehaves
         during the op (raises unexpectedly, returns wrong values, or an
-        ``expect_error`` op does not raise / changes state), ``KnownFailure``
+        ``expect_error`` op does not raise / changes state), ``ToleratedDivergence``
         if the failure is tolerated but leaves the target diverged. Where
         the op fails a check, the checks of ``check()`` run too before it
         raises, so that the failure carries every check the op fails.
@@ -175,7 +175,7 @@ class World:
         self.ops.append(op)
         try:
             ctx = declared.target(self, op)
-        except (AssertionError, KnownFailure):
+        except (AssertionError, ToleratedDivergence):
             raise
         except Exception as exc:
             # Nothing else of the op can be evaluated: the oracles never ran it.
@@ -216,7 +216,7 @@ class World:
 
         Every check runs whatever the others found; then the first failure
         that is not tolerated is raised, carrying the others in ``also``
-        (``KnownFailure`` where all are tolerated and one has diverged).
+        (``ToleratedDivergence`` where all are tolerated and one has diverged).
         """
         if self.target is None:
             return

@@ -57,7 +57,7 @@ __all__ = [
     "POLICY",
     "Check",
     "CheckFailure",
-    "KnownFailure",
+    "ToleratedDivergence",
     "failure",
     "identity",
     "where_of",
@@ -142,7 +142,7 @@ class CheckFailure(AssertionError):
         return self.check.level
 
 
-class KnownFailure(Exception):
+class ToleratedDivergence(Exception):
     """A tolerated check failed where the target's state has diverged: stop here.
 
     Raised by ``World`` in place of a ``CheckFailure`` it was told to

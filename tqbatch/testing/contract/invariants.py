@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from tqbatch.testing.contract.checks import KnownFailure
+from tqbatch.testing.contract.checks import ToleratedDivergence
 from tqbatch.testing.oracles.judges import judge_tokens
 from tqbatch.testing.oracles.numpy_model import causal_mask
 from tqbatch.testing.oracles.reference import as_ints, to_numpy, to_numpy_all
@@ -38,7 +38,7 @@ def guarded(world, check, op, *args) -> None:
     """``check(world, op, *args)``; where reading the target raises, a ``read`` failure."""
     try:
         check(world, op, *args)
-    except (AssertionError, KnownFailure):
+    except (AssertionError, ToleratedDivergence):
         raise
     except Exception as exc:
         # A target that crashes while being read (size(), make_mask,
@@ -147,7 +147,7 @@ def _target_masks(world) -> list[tuple]:
                 mask = world.target.make_mask(n, window_size=window, **kwargs)
             except Exception as exc:
                 reads.append(_Raised(exc))
-                if isinstance(exc, (AssertionError, KnownFailure)):
+                if isinstance(exc, (AssertionError, ToleratedDivergence)):
                     return _pairs(reads)  # its check raises it out: nothing after it is read
             else:
                 reads.append(mx.array(mask) if isinstance(mask, mx.array) else mask)

@@ -12,7 +12,7 @@ comments::
     size              # size() is the allocated capacity, not the written end
     offset@roundtrip  # meta_state keeps one int offset
 
-A run's failures are judged against the list (``KnownFailures.judge``):
+A run's failures are sorted against the list (``KnownFailures.triage``):
 
 - ``known``: found and listed, reported as expected failures;
 - ``new``: found and not listed: the run fails;
@@ -35,7 +35,7 @@ from pathlib import Path
 
 __all__ = [
     "SHIPPED_DIR",
-    "Judgement",
+    "Triage",
     "KnownFailures",
     "KnownFailuresError",
     "format_known_failures",
@@ -52,7 +52,7 @@ class KnownFailuresError(ValueError):
 
 
 @dataclass(frozen=True)
-class Judgement:
+class Triage:
     """A run's failures against a known-failures list (see the module docstring)."""
 
     known: list[str] = field(default_factory=list)
@@ -126,13 +126,13 @@ class KnownFailures:
             entries[identity], lines[identity] = reason, number
         return cls(entries)
 
-    def judge(self, found: Iterable[str]) -> Judgement:
+    def triage(self, found: Iterable[str]) -> Triage:
         """Split the identities ``found`` (in the order found, repeats dropped) against the list."""
         seen = list(dict.fromkeys(found))
         known = [i for i in seen if i in self.entries]
         new = [i for i in seen if i not in self.entries]
         fixed = [i for i in self.entries if i not in set(seen)]
-        return Judgement(known=known, new=new, fixed=fixed)
+        return Triage(known=known, new=new, fixed=fixed)
 
     def merged(self, other: KnownFailures) -> KnownFailures:
         """Both lists in one (``other``'s reason where both list an identity)."""

@@ -4,7 +4,7 @@ each test turns what it found into its verdict.
 The plugin (``tqbatch.testing.gate.plugin``) builds the session's ``Harness``
 from its options and hands it to the tests (fixture ``tqbatch_harness``);
 each test reports what it found as ``Found`` records and ends with
-``judge``: it fails on a failure not in the known failures, is an expected
+``conclude``: it fails on a failure not in the known failures, is an expected
 failure (xfail) where everything found is listed or a policy difference, and
 passes where nothing was found. Which listed failures a test is expected to
 show is declared on the test with the marker ``tqbatch_expects`` (``EXPECTS``)
@@ -30,7 +30,7 @@ __all__ = [
     "Harness",
     "expected_failures",
     "failing",
-    "judge",
+    "conclude",
     "options",
     "repro",
     "spec",
@@ -154,7 +154,7 @@ def failing(state: Harness, found: list[Found]) -> list[Found]:
     return [f for f in found if not _listed(state, f) and f.level != "policy"]
 
 
-def judge(request, state: Harness, found: list[Found], note: str = "") -> None:
+def conclude(request, state: Harness, found: list[Found], note: str = "") -> None:
     """Fail on what is new; xfail where everything found is listed or a policy difference.
 
     ``note`` ends the xfail reason (a golden test's construction of its batches).

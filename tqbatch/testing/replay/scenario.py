@@ -42,7 +42,7 @@ import numpy as np
 
 from tqbatch.testing.backend import describe as describe_backend
 from tqbatch.testing.backend import matmul_precision
-from tqbatch.testing.contract.checks import KnownFailure, identity, where_of
+from tqbatch.testing.contract.checks import ToleratedDivergence, identity, where_of
 from tqbatch.testing.contract.observation import ObservationError
 from tqbatch.testing.contract.ops import CHECKS, OPS, merge, recorded_quantity
 from tqbatch.testing.oracles.tolerances import EXACT, PACKED_CROSS_PLATFORM
@@ -562,7 +562,7 @@ def _run_step(world, step, op, scenario, recorded, result) -> bool:
         check = getattr(getattr(exc, "check", None), "name", "oracle")
         result.divergences.append(Divergence(step, op, check, getattr(exc, "what", str(exc))))
         return False
-    except KnownFailure as exc:  # tolerated (found_on) but the target diverged there
+    except ToleratedDivergence as exc:  # tolerated (found_on) but the target diverged there
         result.divergences.append(Divergence(step, op, exc.failure.check.name, exc.failure.what))
         return False
     for key, array in obs.items():
@@ -584,7 +584,7 @@ def _judged_live(quantity: str, op: dict, judged: set[str]) -> bool:
     failure is known (listed, or what a survey tolerated): the recording
     would only report it again, under no identity, and end the replay there,
     before what the scenario pins. A check that leaves the target diverged
-    ends the replay by itself (``KnownFailure``).
+    ends the replay by itself (``ToleratedDivergence``).
     """
     for name in _CHECKS_OF_QUANTITY.get(quantity, (quantity,)):
         check = CHECKS.get(name)

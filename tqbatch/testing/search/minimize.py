@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tqbatch.testing.contract.checks import CheckFailure, KnownFailure
+from tqbatch.testing.contract.checks import CheckFailure, ToleratedDivergence
 from tqbatch.testing.world import UnsupportedOp, World
 
 __all__ = ["failure_of", "minimize"]
@@ -38,7 +38,7 @@ def failure_of(
             world.check()
     except CheckFailure as exc:
         return exc if exc.identity == identity else None
-    except (KnownFailure, UnsupportedOp):
+    except (ToleratedDivergence, UnsupportedOp):
         return None  # another (tolerated) failure, or an op the target lacks
     except Exception:  # noqa: BLE001 - a dropped op can leave a sequence the oracles refuse
         return None  # (e.g. finalize with nothing written): not a valid candidate

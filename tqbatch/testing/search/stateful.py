@@ -38,7 +38,7 @@ from hypothesis.stateful import (
 )
 
 from tqbatch.testing.contract import strategies as tqs
-from tqbatch.testing.contract.checks import CheckFailure, KnownFailure
+from tqbatch.testing.contract.checks import CheckFailure, ToleratedDivergence
 from tqbatch.testing.contract.ops import OPS, Rule
 from tqbatch.testing.contract.ops.batches import first_batch_ops
 from tqbatch.testing.search.machine_observer import Failure, MachineObserver
@@ -103,7 +103,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
                 self.world.apply(op)
                 if check_between and i < len(ops) - 1:
                     self.world.check()
-            except KnownFailure as known:
+            except ToleratedDivergence as known:
                 # Already reported (or listed), and the target has diverged: the
                 # rest of this op sequence would only repeat it.
                 self._continue_fresh(known)
@@ -116,7 +116,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
                 self.observer.op_ran(self.previous_op, name)
             self.previous_op = name
 
-    def _continue_fresh(self, known: KnownFailure):
+    def _continue_fresh(self, known: ToleratedDivergence):
         """Go on in a fresh world, its cache built by the constructor, after ``known``.
 
         Ending the example there would leave every op after the known
@@ -190,7 +190,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
             return
         try:
             self.world.check()
-        except KnownFailure as known:
+        except ToleratedDivergence as known:
             self._continue_fresh(known)
         except BaseException as exc:
             self._record(exc)
