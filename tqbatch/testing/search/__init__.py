@@ -3,6 +3,7 @@
 ``stateful`` (the state machine), ``machine_observer`` (what it saw over a
 run), ``campaign`` (fuzz and survey: the engine behind ``tqbatch fuzz``),
 ``minimize`` (op-level minimization after Hypothesis's shrink), ``shards`` (a
-campaign over processes), ``databases`` (example databases campaigns share)
-and ``profiles`` (Hypothesis settings profiles).
+campaign over processes), ``databases`` (example databases campaigns share),
+``profiles`` (Hypothesis settings profiles) and ``hypothesis_internals``
+(every use of Hypothesis's internals, in one module).
 """

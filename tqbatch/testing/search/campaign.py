@@ -53,6 +53,9 @@ the first round only. ``replayed`` counts those runs, and each failure's
 ``replayed`` says whether it was found while replaying. The examples of a
 campaign are saved under ``campaign_key``: the target and the switches that
 decide whether a saved example still fails.
+
+What of Hypothesis's internals this needs (the engine's clock, observability,
+the database key) is ``tqbatch.testing.search.hypothesis_internals``.
 """
 
 from __future__ import annotations
@@ -62,18 +65,18 @@ import json
 import time
 import unittest
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Unsatisfiable
-from hypothesis.reporting import current_reporter, with_reporter
-from hypothesis.stateful import get_state_machine_test
 
 from tqbatch.testing.contract.checks import HARNESS
 from tqbatch.testing.contract.ops import CHECKS
+from tqbatch.testing.search import hypothesis_internals
+from tqbatch.testing.search.hypothesis_internals import RunClock, shrink_budget
 from tqbatch.testing.search.machine_observer import MachineObserver, failure_key
 from tqbatch.testing.search.minimize import minimize
 from tqbatch.testing.search.profiles import register_profiles
@@ -85,14 +88,12 @@ __all__ = [
     "MINIMIZE_REPLAYS",
     "SHRINK_RUNS",
     "CampaignResult",
-    "RunClock",
     "campaign_key",
     "conforms",
     "contract_identities",
     "quiet_stop_round",
     "run_campaign",
     "save_failures",
-    "shrink_budget",
     "survey_test_case",
 ]
 
@@ -105,63 +106,6 @@ ROUND_EXAMPLES = 5  # examples per Hypothesis run: the budgets are checked betwe
 # needs one replay per op left.
 SHRINK_RUNS = 400
 MINIMIZE_REPLAYS = 100
-
-
-class RunClock:
-    """A clock that reads test runs, for Hypothesis's engine (see ``shrink_budget``).
-
-    The machine under test calls ``tick()`` once per test run.
-    """
-
-    def __init__(self):
-        self.runs = 0
-
-    def tick(self):
-        self.runs += 1
-
-    def perf_counter(self) -> float:
-        return float(self.runs)
-
-    monotonic = perf_counter
-
-    def __getattr__(self, name):  # anything else the engine reads of ``time``
-        return getattr(time, name)
-
-
-@contextlib.contextmanager
-def shrink_budget(runs: int | None, clock: RunClock) -> Iterator[None]:
-    """Bound Hypothesis's shrinking to ``runs`` test runs (None: its own bound, 300 s).
-
-    Hypothesis bounds shrinking in seconds (an engine constant read when
-    shrinking starts), so where it stops, and which failure it reports,
-    would depend on the machine's speed. Inside this context the engine's
-    clock is ``clock``, which counts runs, and the constant is ``runs``.
-    The engine's other timing rule (generate for at most 10 s after a first
-    bug, when several bugs are reported) becomes 10 runs.
-    """
-    try:  # engine internals: a module-level ``time`` and the constant
-        from hypothesis.internal.conjecture import engine
-    except ImportError:  # pragma: no cover - depends on the Hypothesis version
-        yield
-        return
-    saved_clock = getattr(engine, "time", None)
-    saved = getattr(engine, "MAX_SHRINKING_SECONDS", None)
-    if runs is None or saved is None or saved_clock is not time:
-        yield  # no bound asked for, or another Hypothesis: its own bound, in seconds
-        return
-    engine.time, engine.MAX_SHRINKING_SECONDS = clock, runs
-    previous = current_reporter()
-
-    def reporter(text):
-        # Hypothesis's note for its own deadline says "five minutes": not ours.
-        if not str(text).startswith("WARNING: Hypothesis has spent more than five minutes"):
-            previous(text)
-
-    try:
-        with with_reporter(reporter):
-            yield
-    finally:
-        engine.time, engine.MAX_SHRINKING_SECONDS = saved_clock, saved
 
 
 @dataclass
@@ -301,42 +245,6 @@ class _Counter:
             self.on_example(self.result)
 
 
-def _observability():
-    try:  # an internal module of Hypothesis: counts degrade gracefully without it
-        from hypothesis.internal.observability import (
-            add_observability_callback,
-            remove_observability_callback,
-        )
-    except ImportError:  # pragma: no cover - depends on the Hypothesis version
-        return None, None
-    return add_observability_callback, remove_observability_callback
-
-
-@contextlib.contextmanager
-def _no_coverage_tracing():
-    """Hypothesis collects no line coverage while the campaign observes its runs.
-
-    With an observability callback registered, Hypothesis traces every line
-    of every test run for the observations' coverage field, which the
-    campaign never reads: on Python 3.11 a ``sys.settrace`` tracer that cost
-    a fifth of a survey's time. Hypothesis reads the flag at each run and
-    exposes it for this (``OBSERVABILITY_COLLECT_COVERAGE``); its
-    environment variable would also write every observation to disk.
-    Tracing does not steer generation, so the examples drawn are the same.
-    """
-    try:
-        from hypothesis.internal import observability
-    except ImportError:  # pragma: no cover - depends on the Hypothesis version
-        yield
-        return
-    before = getattr(observability, "OBSERVABILITY_COLLECT_COVERAGE", None)
-    observability.OBSERVABILITY_COLLECT_COVERAGE = False
-    try:
-        yield
-    finally:
-        observability.OBSERVABILITY_COLLECT_COVERAGE = before
-
-
 def run_campaign(
     impl: type,
     *,
@@ -424,10 +332,10 @@ def run_campaign(
             replayed_failures.add(failure.identity or failure.message)
 
     counter.on_failed_replay = failed_replay
-    add, remove = _observability()
+    add, remove = hypothesis_internals.observability()
     stack = contextlib.ExitStack()
     if add is not None:
-        stack.enter_context(_no_coverage_tracing())
+        stack.enter_context(hypothesis_internals.no_coverage_tracing())
         add(counter.observe)
         # It reports every run, so none is counted before it says what it was:
         # with a database, a campaign's first run is a replay, not an example.
@@ -487,7 +395,7 @@ def run_campaign(
             observer.clear_failures()
             try:
                 with shrink_budget(shrink_runs, clock):
-                    _run_machine(Counting, round_settings, key)
+                    hypothesis_internals.run_machine(Counting, round_settings, key)
             except Unsatisfiable:
                 result.exhausted = True  # every example hit a known, diverging failure
                 round_done(was_replaying)
@@ -547,22 +455,6 @@ def quiet_stop_round(found_after: list, quiet_rounds: int | None) -> int | None:
         if before and before == found_after[r - 1]:
             return r
     return None
-
-
-def _run_machine(machine: type, round_settings: settings, key: bytes) -> None:
-    """``run_state_machine_as_test(machine)``, saving examples under the database key ``key``.
-
-    Hypothesis would key them by a digest of the machine class (the same
-    ``Counting`` for every target, so every target's campaign would replay
-    every other's) and of its own state-machine runner's source, which
-    changes with its version, and of the class's source, which Python
-    versions read differently for a local class: a nightly and a pull
-    request on other versions would never share a find. An explicit key is
-    what Hypothesis's own ``find`` sets.
-    """
-    test = get_state_machine_test(machine, settings=round_settings)
-    test._hypothesis_internal_database_key = key
-    test()
 
 
 def campaign_key(impl: type, *, contract_checks: bool = True, survey: bool = False) -> bytes:

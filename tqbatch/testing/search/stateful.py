@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 from hypothesis import note, reject
 from hypothesis import strategies as st
-from hypothesis.control import current_build_context, currently_in_test_context
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -41,6 +40,7 @@ from tqbatch.testing.contract import strategies as tqs
 from tqbatch.testing.contract.checks import CheckFailure, ToleratedDivergence
 from tqbatch.testing.contract.ops import OPS, Rule
 from tqbatch.testing.contract.ops.batches import first_batch_ops
+from tqbatch.testing.search.hypothesis_internals import replaying_final
 from tqbatch.testing.search.machine_observer import Failure, MachineObserver
 from tqbatch.testing.target import (
     CONFIGURATIONS,
@@ -155,7 +155,7 @@ class BatchCacheMachine(RuleBasedStateMachine):
             level=exc.level if checked else "",
             what=exc.what if checked else "",
             also=[f.identity for f in exc.also] if checked else [],
-            final=currently_in_test_context() and current_build_context().is_final,
+            final=replaying_final(),
         )
         if self.observer is not None:
             self.observer.failed(failure)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 from hypothesis import Phase, settings
 
 from tqbatch.testing.mutants import CATCHES, MUTANTS
-from tqbatch.testing.search.campaign import MINIMIZE_REPLAYS, SHRINK_RUNS, RunClock, shrink_budget
+from tqbatch.testing.search.campaign import MINIMIZE_REPLAYS, SHRINK_RUNS
+from tqbatch.testing.search.hypothesis_internals import RunClock, shrink_budget
 from tqbatch.testing.search.machine_observer import Failure, MachineObserver
 from tqbatch.testing.search.minimize import minimize
 from tqbatch.testing.search.profiles import PROFILES
