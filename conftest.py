@@ -1,7 +1,7 @@
 """Root pytest configuration of tqbatch's own suite.
 
 The harness's session setup is tqbatch's pytest plugin's
-(``tqbatch.testing.plugin``, installed as a ``pytest11`` entry point): the
+(``tqbatch.testing.gate.plugin``, installed as a ``pytest11`` entry point): the
 precision and device, the backend's known-answer check (exit code 3), the
 Hypothesis profiles registered, the report header. This file turns it on for
 the suite (``plugin.activate``) and keeps what is the suite's own: ``--impl``,
@@ -25,8 +25,9 @@ import sys
 import pytest
 from hypothesis import settings
 
-from tqbatch.testing import backend, plugin
-from tqbatch.testing.profiles import default_profile, register_profiles
+from tqbatch.testing import backend
+from tqbatch.testing.gate import plugin
+from tqbatch.testing.search.profiles import default_profile, register_profiles
 
 
 def _precision_on_command_line() -> str | None:

@@ -45,7 +45,7 @@ WORKFLOWS = [
     "examples/conformance-workflow.yml",
 ]
 # The golden scenarios: package data, so that an installed tqbatch replays them.
-GOLDEN = "tqbatch/testing/golden"
+GOLDEN = "tqbatch/testing/replay/golden"
 
 
 def _install_test(session: nox.Session) -> None:

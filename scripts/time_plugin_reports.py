@@ -10,7 +10,7 @@ directory, and timed from the process's start to the first line that reports
 a failure: a test's ``FAILED`` line (``-v``) or the survey's live
 ``tqbatch survey: ... found`` line (a policy difference is not one), and to
 the process's end ("run red": exit 1), at most ``LIMIT`` seconds.
-``--mlx-vlm-regressions`` runs ``tqbatch.testing.mlx_vlm_regressions``
+``--mlx-vlm-regressions`` runs ``tqbatch.testing.selfcheck.mlx_vlm_regressions``
 instead, each with mlx-vlm's shipped known-failures list.
 
 ``--only-state-machine`` runs ``-k test_state_machine`` alone, so the time is
@@ -77,13 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mlx-vlm-regressions",
         action="store_true",
-        help="the regressions of tqbatch.testing.mlx_vlm_regressions, with mlx-vlm's shipped "
-        f"list ({KNOWN_MLX_VLM}), instead of tqbatch's mutants",
+        help="the regressions of tqbatch.testing.selfcheck.mlx_vlm_regressions, with mlx-vlm's "
+        f"shipped list ({KNOWN_MLX_VLM}), instead of tqbatch's mutants",
     )
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = parser.parse_args(argv)
     if args.mlx_vlm_regressions:
-        from tqbatch.testing import mlx_vlm_regressions as catalogue
+        from tqbatch.testing.selfcheck import mlx_vlm_regressions as catalogue
 
         targets, known = catalogue.REGRESSIONS, KNOWN_MLX_VLM
     else:

@@ -33,11 +33,11 @@ import warnings
 from hypothesis import HealthCheck, Phase, settings
 
 import tqbatch
-from tqbatch.testing.impl import ALIASES, load_impl
-from tqbatch.testing.machine_observer import MachineObserver
 from tqbatch.testing.mutants import MUTANTS
-from tqbatch.testing.profiles import PROFILES
-from tqbatch.testing.stateful import UnsupportedOpsWarning, machine_for
+from tqbatch.testing.search.machine_observer import MachineObserver
+from tqbatch.testing.search.profiles import PROFILES
+from tqbatch.testing.search.stateful import UnsupportedOpsWarning, machine_for
+from tqbatch.testing.target import ALIASES, load_impl
 
 EXAMPLES = 30
 

@@ -1,6 +1,6 @@
 """The same survey campaigns with Hypothesis's line-coverage tracing on and off, compared.
 
-``run_campaign`` turns the tracing off (``campaign._no_coverage_tracing``);
+``run_campaign`` turns the tracing off (``hypothesis_internals.no_coverage_tracing``);
 this runs each target's campaign (``ci`` profile, 20 examples, survey) both
 ways and prints the seconds of each and whether the outcomes are the same:
 examples, op counts, op-pair counts, shrink runs, and every failure's
@@ -18,9 +18,9 @@ import json
 import sys
 import time
 
-from tqbatch.testing import campaign
-from tqbatch.testing.impl import load_impl
 from tqbatch.testing.mutants import MUTANTS
+from tqbatch.testing.search import campaign, hypothesis_internals
+from tqbatch.testing.target import load_impl
 
 
 def outcome(result: campaign.CampaignResult) -> str:
@@ -39,18 +39,20 @@ def outcome(result: campaign.CampaignResult) -> str:
 
 def main(argv: list[str]) -> int:
     names = argv or ["tqbatch", "mlx-vlm", *sorted(MUTANTS)]
-    untraced = campaign._no_coverage_tracing
+    untraced = hypothesis_internals.no_coverage_tracing
     same = 0
     for name in names:
         impl = MUTANTS[name] if name in MUTANTS else load_impl(name)
         seconds, outcomes = {}, {}
         for tracing in ("on", "off"):
-            campaign._no_coverage_tracing = contextlib.nullcontext if tracing == "on" else untraced
+            hypothesis_internals.no_coverage_tracing = (
+                contextlib.nullcontext if tracing == "on" else untraced
+            )
             start = time.monotonic()
             result = campaign.run_campaign(impl, examples=20, profile="ci", survey=True)
             seconds[tracing] = time.monotonic() - start
             outcomes[tracing] = outcome(result)
-        campaign._no_coverage_tracing = untraced
+        hypothesis_internals.no_coverage_tracing = untraced
         equal = outcomes["on"] == outcomes["off"]
         same += equal
         print(

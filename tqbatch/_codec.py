@@ -23,7 +23,7 @@ serve (fast there, and possibly rounding otherwise than these ops).
 ``quantize_plain``, ``dequantize_plain`` and ``attend_plain`` are the same ops
 without the Metal gate (any ``servable`` codec, any device): on Metal they are
 the plain-MLX reference that the backend check compares mlx-vlm's kernels with
-(``tqbatch.testing.kernel_check``).
+(``tqbatch.testing.backend.kernel_check``).
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except backend.BackendError as exc:
         print(f"tqbatch: {exc}", file=sys.stderr)
         return ExitCode.BACKEND
-    from tqbatch.testing.impl import ImplSpecError
+    from tqbatch.testing.target import ImplSpecError
 
     try:
         with hypothesis_home_outside_cwd():

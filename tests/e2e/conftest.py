@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tqbatch.testing.impl import load_impl
+from tqbatch.testing.target import load_impl
 from tqbatch.workbench.e2e import ModelSpec, build_model, run_scenario, scenario_references
 
 SPEC = ModelSpec()  # 4 layers, hidden 256, 4 query / 2 KV heads, head_dim 64

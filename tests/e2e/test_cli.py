@@ -61,8 +61,8 @@ BAD_TARGET = [
     ["bench", "--impl", "nope:Nope"],
     ["models", "--impl", "nope:Nope"],
     ["conformance", "nope:Nope"],
-    ["replay", "--impl", "nope:Nope", "tqbatch/testing/golden/21_no_idx_attribute.json"],
-    ["record", "--impl", "nope:Nope", "tqbatch/testing/golden/21_no_idx_attribute.json"],
+    ["replay", "--impl", "nope:Nope", "tqbatch/testing/replay/golden/21_no_idx_attribute.json"],
+    ["record", "--impl", "nope:Nope", "tqbatch/testing/replay/golden/21_no_idx_attribute.json"],
 ]
 
 

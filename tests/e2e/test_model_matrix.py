@@ -12,9 +12,9 @@ import re
 
 import pytest
 
-from tqbatch.testing.doubles import RoundsFarOtherwise, RoundsOtherwise
 from tqbatch.testing.mutants import MUTANTS
-from tqbatch.testing.reference import TurboReferences
+from tqbatch.testing.oracles.reference import TurboReferences
+from tqbatch.testing.selfcheck.doubles import RoundsFarOtherwise, RoundsOtherwise
 from tqbatch.workbench import model_matrix, vlm_families
 from tqbatch.workbench.model_matrix import BASELINE
 

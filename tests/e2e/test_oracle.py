@@ -9,8 +9,8 @@ import pytest
 from mlx_vlm.models.qwen2 import language as qwen2_language
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.testing.doubles import RoundsFarOtherwise, RoundsOtherwise
-from tqbatch.testing.reference import TurboReferences
+from tqbatch.testing.oracles.reference import TurboReferences
+from tqbatch.testing.selfcheck.doubles import RoundsFarOtherwise, RoundsOtherwise
 from tqbatch.workbench.e2e import flipped_codes, run_scenario
 from tqbatch.workbench.serving import ForwardLayout
 from tqbatch.workbench.serving_oracle import ServingOracle

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from tqbatch.testing import golden
-from tqbatch.testing.strategies import BAD_INPUT_ERRORS
+from tqbatch.testing.contract.ops import BAD_INPUT_ERRORS
+from tqbatch.testing.replay import golden
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 600

@@ -22,7 +22,7 @@ def test_no_failures_reported(scenario):
 def test_every_kind_of_check_ran_and_passed(scenario, uid):
     checks = scenario.checks[uid]
     assert checks.content and checks.attention and checks.extract
-    # <= 1: within the rounding bounds of tqbatch.testing.tolerances.
+    # <= 1: within the rounding bounds of tqbatch.testing.oracles.tolerances.
     assert checks.worst_content <= 1
     assert checks.worst_attention <= 1
     assert checks.worst_extract <= 1

@@ -3,7 +3,7 @@
 The step (``choose the device that passes the known-answer check``) is read
 from the workflow file and run in bash, its ``.venv/bin/tqbatch`` being this
 interpreter's tqbatch, on a simulated Mac (``tests/simulated_mac``:
-``tqbatch.testing.simulated_metal``, MLX 0.32's dispatch rule). The README
+``tqbatch.testing.backend.simulated_metal``, MLX 0.32's dispatch rule). The README
 promises: the GPU where its check passes, else the CPU lane, where no Metal
 kernel runs. What only simulation saw: no real Mac has run this step.
 """

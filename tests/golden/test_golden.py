@@ -1,6 +1,6 @@
 """Replay every golden scenario against the target; show that they kill their mutants.
 
-The scenarios are package data (``tqbatch/testing/golden``), so that an
+The scenarios are package data (``tqbatch/testing/replay/golden``), so that an
 installed tqbatch replays them too.
 
 The target is ``--impl`` / ``$TQBATCH_IMPL`` (default tqbatch's class). Nothing
@@ -16,10 +16,10 @@ import sys
 import numpy as np
 import pytest
 
-from tqbatch.testing.golden import DIRECTORY as GOLDEN
-from tqbatch.testing.impl import load_impl
 from tqbatch.testing.mutants import MUTANTS, SEED_DEFECTS
-from tqbatch.testing.scenario import Scenario, discover, platform_id, replay
+from tqbatch.testing.replay.golden import DIRECTORY as GOLDEN
+from tqbatch.testing.replay.scenario import Scenario, discover, platform_id, replay
+from tqbatch.testing.target import load_impl
 
 SCENARIOS = [Scenario.load(p) for p in discover([GOLDEN])]
 BY_NAME = {s.name: s for s in SCENARIOS}

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from tqbatch.cli import main
-from tqbatch.testing import scenario as sc
-from tqbatch.testing.golden import DIRECTORY as GOLDEN
 from tqbatch.testing.mutants import MUTANTS
-from tqbatch.testing.scenario import (
+from tqbatch.testing.replay import scenario as sc
+from tqbatch.testing.replay.golden import DIRECTORY as GOLDEN
+from tqbatch.testing.replay.scenario import (
     RecordError,
     Scenario,
     ScenarioError,

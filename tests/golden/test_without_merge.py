@@ -1,7 +1,7 @@
 """Golden scenarios against a cache without ``merge``: its batches built by constructor + prefill.
 
 tqbatch's own cache with ``merge`` hidden takes the construction a cache
-shaped like mlx-vlm's gets (``tqbatch.testing.ops.merge``). It must replay
+shaped like mlx-vlm's gets (``tqbatch.testing.contract.ops.merge``). It must replay
 every golden it can run green against the same recordings, observe exactly
 what the merge construction observes, and still fail where the cache is
 broken: a constructor that ignores ``left_padding``, and the catalogued
@@ -15,12 +15,12 @@ import pytest
 
 from tqbatch import BatchTurboQuantKVCache
 from tqbatch.cli import main
-from tqbatch.testing.golden import DIRECTORY as GOLDEN
-from tqbatch.testing.impl import capabilities, load_impl
-from tqbatch.testing.known_failures import KnownFailures, shipped
+from tqbatch.testing.contract.ops.merge import BY_MERGE, BY_PREFILL, merge_only
+from tqbatch.testing.gate.known_failures import KnownFailures, shipped
 from tqbatch.testing.mutants import MUTANTS
-from tqbatch.testing.ops.merge import BY_MERGE, BY_PREFILL, merge_only
-from tqbatch.testing.scenario import Scenario, discover, replay
+from tqbatch.testing.replay.golden import DIRECTORY as GOLDEN
+from tqbatch.testing.replay.scenario import Scenario, discover, replay
+from tqbatch.testing.target import capabilities, load_impl
 from tqbatch.testing.world import nested_ops
 
 SCENARIOS = [Scenario.load(p) for p in discover([GOLDEN])]

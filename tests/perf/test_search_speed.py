@@ -9,7 +9,7 @@ cores) are read from the report, never asserted on time. What is asserted is
 structural: the mutant is found, by its own check.
 
 The default run hunts a few mutants; ``TQBATCH_PERF=full`` (nox ``perf``)
-hunts the whole catalogue. ``python -m tqbatch.testing.selftest --markdown``
+hunts the whole catalogue. ``python -m tqbatch.testing.selfcheck.selftest --markdown``
 prints docs/search-speed.md's table.
 """
 
@@ -21,7 +21,7 @@ import pytest
 
 import tqbatch
 from tqbatch.testing.mutants import MUTANTS
-from tqbatch.testing.selftest import hunt
+from tqbatch.testing.selfcheck.selftest import hunt
 from tqbatch.workbench import bench
 
 # One of each kind of check in the default run: geometry after a filter, a
@@ -50,7 +50,7 @@ def test_time_to_shrunk_report(benchmark, name, record_property):
 
 
 def _campaign():
-    from tqbatch.testing.campaign import run_campaign
+    from tqbatch.testing.search.campaign import run_campaign
 
     return run_campaign(tqbatch.BatchTurboQuantKVCache, examples=10, profile="ci", seed=0)
 
@@ -68,10 +68,10 @@ def test_cost_per_example(benchmark, record_property, monkeypatch):
     constants): reported as ``first_ms_per_op``. The timed campaigns come
     after it. For the ratio, the same campaign with the references' round
     trip through mlx-vlm's own quantize and dequantize (its per-coordinate
-    packing loops; as before ``tqbatch.testing.codec_round_trip``),
+    packing loops; as before ``tqbatch.testing.oracles.codec_round_trip``),
     alternated with the default so both see the same load; medians of three.
     """
-    from tqbatch.testing import codec_round_trip
+    from tqbatch.testing.oracles import codec_round_trip
 
     benchmark.group = "search: cost per example (ci profile, tqbatch)"
     first = _ms_per_op(_campaign())

@@ -18,8 +18,8 @@ from hypothesis.database import (
 )
 
 import tqbatch
-from tqbatch.testing.campaign import CampaignResult, campaign_key, run_campaign
 from tqbatch.testing.mutants import SizeAsArray
+from tqbatch.testing.search.campaign import CampaignResult, campaign_key, run_campaign
 
 # Fails its first check, so a campaign finds and shrinks it in well under a second.
 MUTANT = SizeAsArray

@@ -1,4 +1,4 @@
-"""Every check of tqbatch.testing.checks can fail, and fails under its own identity.
+"""Every check of tqbatch.testing.contract.checks can fail, and fails under its own identity.
 
 For each check: a purpose-built broken cache (or, for the harness's own
 cross-check, a corrupted oracle) and the shortest op sequence that shows it;
@@ -13,9 +13,10 @@ import mlx.core as mx
 import pytest
 
 import tqbatch
-from tqbatch.testing.checks import CHECKS, CheckFailure, KnownFailure, failure
-from tqbatch.testing.doubles import PendingPaddingAsBatchKVCache
+from tqbatch.testing.contract.checks import CheckFailure, ToleratedDivergence, failure
+from tqbatch.testing.contract.ops import CHECKS
 from tqbatch.testing.mutants import CATCHES, FilterWithoutCompaction
+from tqbatch.testing.selfcheck.doubles import PendingPaddingAsBatchKVCache
 from tqbatch.testing.world import World
 
 Base = tqbatch.BatchTurboQuantKVCache
@@ -184,15 +185,15 @@ def test_every_check_is_shown_failing():
 
 
 def test_identities_are_distinct_classes_per_op_and_case():
-    after_filter = failure("mask_values", {"op": "filter", "indices": [0]}, "x")
-    after_merge = failure("mask_values", {"op": "merge", "lengths": [1], "kv_seed": 0}, "x")
-    again = failure("mask_values", {"op": "filter", "indices": [1]}, "y")
+    after_filter = failure(CHECKS["mask_values"], {"op": "filter", "indices": [0]}, "x")
+    after_merge = failure(CHECKS["mask_values"], {"op": "merge", "lengths": [1], "kv_seed": 0}, "x")
+    again = failure(CHECKS["mask_values"], {"op": "filter", "indices": [1]}, "y")
     assert after_filter.identity == "mask_values@filter" and type(after_filter) is type(again)
     assert type(after_filter) is not type(after_merge)
     # A standing property of the cache is one identity, whatever the op.
-    assert failure("size", {"op": "filter"}, "x").identity == "size"
+    assert failure(CHECKS["size"], {"op": "filter"}, "x").identity == "size"
     bad = _bad("filter-empty", {"op": "filter", "indices": []}, "ValueError")
-    assert failure("rejects", bad, "x").identity == "rejects@filter-empty"
+    assert failure(CHECKS["rejects"], bad, "x").identity == "rejects@filter-empty"
 
 
 def test_tolerated_failures_run_on_or_stop_where_diverged():
@@ -203,7 +204,7 @@ def test_tolerated_failures_run_on_or_stop_where_diverged():
     # ...a diverging one (an accepted bad input) ends it.
     world = World(Base, bits=4.0, seed=0, kv_heads=2, head_dim=64, tolerate=lambda f: True)
     world.apply(PREFILL[0])
-    with pytest.raises(KnownFailure):
+    with pytest.raises(ToleratedDivergence):
         world.apply(_bad("filter-in-range", {"op": "filter", "indices": [0]}, "IndexError"))
 
 

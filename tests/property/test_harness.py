@@ -16,8 +16,8 @@ from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 import tqbatch
-from tqbatch.testing.impl import ImplSpecError, capabilities, load_impl
-from tqbatch.testing.numpy_model import attention, causal_mask
+from tqbatch.testing.oracles.numpy_model import attention, causal_mask
+from tqbatch.testing.target import ImplSpecError, capabilities, load_impl
 from tqbatch.testing.world import World
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from tqbatch.testing.mutants import MUTANTS, describe
-from tqbatch.testing.selftest import hunt
+from tqbatch.testing.selfcheck.selftest import hunt
 
 # Budget: measured with these settings (derandomized, 15 steps), each mutant
 # counted only by its own check, with the strategies as they were before
@@ -53,7 +53,7 @@ def test_machine_kills_mutant(name):
 
 
 def test_readme_table_lists_every_mutant_and_its_check():
-    """docs/search-speed.md's table (from ``python -m tqbatch.testing.selftest``) is current."""
+    """docs/search-speed.md's table (``selfcheck.selftest --markdown``) is current."""
     from pathlib import Path
 
     from tqbatch.testing.mutants import CATCHES
@@ -62,4 +62,4 @@ def test_readme_table_lists_every_mutant_and_its_check():
     block = readme.split("<!-- selftest:start -->")[1].split("<!-- selftest:end -->")[0]
     rows = [line.split("|")[1:3] for line in block.splitlines() if line.startswith("| ")][1:]
     listed = {name.strip(): check.strip() for name, check in rows}
-    assert listed == CATCHES, "re-run `python -m tqbatch.testing.selftest --markdown`"
+    assert listed == CATCHES, "re-run `python -m tqbatch.testing.selfcheck.selftest --markdown`"

@@ -1,4 +1,4 @@
-"""Meta-tests of ``tqbatch.testing.rounding``: the choices float rounding leaves a quantizer.
+"""Meta-tests of ``tqbatch.testing.oracles.rounding``: the choices rounding leaves a quantizer.
 
 The admissible set must contain what mlx-vlm's codec writes, admit another
 code only at a coordinate within the rounding band of a midpoint (and a
@@ -17,10 +17,10 @@ import pytest
 from mlx_vlm.turboquant import _TurboQuantMSECodec, _unpack_lowbit
 
 import tqbatch
-from tqbatch.testing import reference as reference_module
-from tqbatch.testing.doubles import RoundsFarOtherwise, RoundsOtherwise
-from tqbatch.testing.rounding import AdmissibleCodes, rotation_error
-from tqbatch.testing.tolerances import content_tolerance
+from tqbatch.testing.oracles import reference as reference_module
+from tqbatch.testing.oracles.rounding import AdmissibleCodes, rotation_error
+from tqbatch.testing.oracles.tolerances import content_tolerance
+from tqbatch.testing.selfcheck.doubles import RoundsFarOtherwise, RoundsOtherwise
 from tqbatch.testing.world import World
 
 # Powers of two use the Hadamard rotation, the others a dense one.
@@ -191,7 +191,7 @@ def test_a_cache_past_the_band_still_fails(bits):
 
 
 def test_a_campaign_counts_the_rounding_choices_it_admitted():
-    from tqbatch.testing.campaign import run_campaign
+    from tqbatch.testing.search.campaign import run_campaign
 
     result = run_campaign(RoundsOtherwise, examples=8, profile="ci", seed=0)
     assert result.failures == []

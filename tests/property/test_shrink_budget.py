@@ -11,8 +11,8 @@ import time
 
 from hypothesis.internal.conjecture import engine
 
-from tqbatch.testing.campaign import run_campaign
 from tqbatch.testing.mutants import MUTANTS
+from tqbatch.testing.search.campaign import run_campaign
 from tqbatch.testing.world import World
 
 # Found within a few examples; its shrink is one of the catalogue's longest.

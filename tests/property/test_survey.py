@@ -14,15 +14,15 @@ import pytest
 
 import tqbatch
 from tqbatch import _packed
-from tqbatch.testing.campaign import CampaignResult, conforms, run_campaign, survey_test_case
-from tqbatch.testing.checks import CheckFailure, KnownFailure
-from tqbatch.testing.doubles import PendingPaddingAsBatchKVCache
+from tqbatch.testing.contract.checks import CheckFailure, ToleratedDivergence
 from tqbatch.testing.mutants import (
     ExtractDropsLastToken,
     FilterWithoutCompaction,
     RoundtripAliasesDonor,
 )
-from tqbatch.testing.scenario import replay, write_failure
+from tqbatch.testing.replay.scenario import replay, write_failure
+from tqbatch.testing.search.campaign import CampaignResult, conforms, run_campaign, survey_test_case
+from tqbatch.testing.selfcheck.doubles import PendingPaddingAsBatchKVCache
 from tqbatch.testing.world import World
 
 
@@ -152,7 +152,7 @@ def test_every_check_after_an_op_reports_its_failure():
     # Every one tolerated: the offset has diverged, so the run ends there.
     world = World(RoundtripFastPathBugs, tolerate=lambda f: True)
     world.apply({"op": "merge", "lengths": [3, 5], "kv_seed": 1})
-    with pytest.raises(KnownFailure):
+    with pytest.raises(ToleratedDivergence):
         world.apply({"op": "roundtrip"})
         world.check()
 

@@ -3,9 +3,9 @@
 Put this directory on ``PYTHONPATH`` (``PYTHONPATH=tests/simulated_mac
 TQBATCH_SIMULATED_METAL=zeros tqbatch backend --device gpu``): Python imports
 ``sitecustomize`` at start-up, in subprocesses too, so the pretence is in place
-before anything imports mlx. See ``tqbatch.testing.simulated_metal``.
+before anything imports mlx. See ``tqbatch.testing.backend.simulated_metal``.
 """
 
-from tqbatch.testing.simulated_metal import install_from_environment
+from tqbatch.testing.backend.simulated_metal import install_from_environment
 
 install_from_environment()

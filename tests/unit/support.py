@@ -14,9 +14,9 @@ TurboQuant quantizes each token on its own with a codec that is a pure
 function of (head_dim, bits, seed), so a batch row must hold exactly the
 packed bits that the single-request cache holds: packed states are compared
 bit for bit, dequantized values within the rounding bounds of
-``tqbatch.testing.tolerances``.
+``tqbatch.testing.oracles.tolerances``.
 
-Why a driver beside the harness's ``tqbatch.testing.ops.World``: ``World``
+Why a driver beside the harness's ``tqbatch.testing.contract.ops.World``: ``World``
 judges any implementation from the outside (values it can read through the
 public API, rounding choices admitted), while these unit tests look inside
 tqbatch's own cache, comparing its packed bits with a single-request cache's.
@@ -39,11 +39,11 @@ from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import BatchTurboQuantKVCache
-from tqbatch.testing.generation import POISON
-from tqbatch.testing.impl import load_impl
-from tqbatch.testing.known_failures import failure_key
-from tqbatch.testing.numpy_model import causal_mask
-from tqbatch.testing.tolerances import attention_tolerance, content_tolerance
+from tqbatch.testing.oracles.generation import POISON
+from tqbatch.testing.oracles.numpy_model import causal_mask
+from tqbatch.testing.oracles.tolerances import attention_tolerance, content_tolerance
+from tqbatch.testing.search.machine_observer import failure_key
+from tqbatch.testing.target import load_impl
 
 # The class under test: tqbatch's own unless $TQBATCH_IMPL / --impl names
 # another (e.g. a mutant from tqbatch.testing.mutants, to see these tests fail).
@@ -53,7 +53,7 @@ H = 2
 D = 64
 
 # Dequantized rows and batched attention are compared with the per-request
-# reference within the rounding bounds of tqbatch.testing.tolerances: the same
+# reference within the rounding bounds of tqbatch.testing.oracles.tolerances: the same
 # packed codes by another route (batch shapes, masked kernels), derived for the
 # matmul precision in effect rather than measured on one machine.
 # Padding positions are filled with the harness's poison scale, so that attending

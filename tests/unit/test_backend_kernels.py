@@ -1,4 +1,4 @@
-"""The backend check's part for mlx-vlm's Metal kernels (``tqbatch.testing.kernel_check``).
+"""The backend check's part for mlx-vlm's Metal kernels (``tqbatch.testing.backend.kernel_check``).
 
 No Metal kernel runs here (the CPU): the comparison is tested by passing the
 kernel path in. The plain path against itself and mlx-vlm's entry points
@@ -20,8 +20,9 @@ import pytest
 from mlx_vlm.turboquant import TurboQuantMSEState, _TurboQuantMSECodec
 
 from tqbatch import _codec
-from tqbatch.testing import backend, kernel_check
-from tqbatch.testing.kernel_check import CASES, METAL, PLAIN, CodecPath
+from tqbatch.testing import backend
+from tqbatch.testing.backend import kernel_check
+from tqbatch.testing.backend.kernel_check import CASES, METAL, PLAIN, CodecPath
 
 METAL_HERE = backend.kernels_in_use()
 

@@ -7,8 +7,8 @@ import contextlib
 from hypothesis.internal import observability
 
 from tqbatch import BatchTurboQuantKVCache
-from tqbatch.testing import campaign
 from tqbatch.testing.mutants import MUTANTS
+from tqbatch.testing.search import campaign, hypothesis_internals
 
 
 def _outcome(result: campaign.CampaignResult) -> tuple:
@@ -36,7 +36,7 @@ def test_tracing_does_not_change_what_a_campaign_draws_or_finds(monkeypatch):
     for impl, survey in cases:
         off = campaign.run_campaign(impl, examples=4, profile="ci", survey=survey)
         with monkeypatch.context() as patched:
-            patched.setattr(campaign, "_no_coverage_tracing", contextlib.nullcontext)
+            patched.setattr(hypothesis_internals, "no_coverage_tracing", contextlib.nullcontext)
             on = campaign.run_campaign(impl, examples=4, profile="ci", survey=survey)
         assert _outcome(on) == _outcome(off), impl.__name__
     assert off.failures  # the mutant's failure was found both ways

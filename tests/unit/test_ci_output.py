@@ -22,8 +22,9 @@ import pytest
 from tqbatch import cli
 from tqbatch.commands import UNCUT_WIDTH, console, models
 from tqbatch.exitcodes import ExitCode
-from tqbatch.testing import backend, golden
-from tqbatch.testing.campaign import CampaignResult, _Counter
+from tqbatch.testing import backend
+from tqbatch.testing.replay import golden
+from tqbatch.testing.search.campaign import CampaignResult, _Counter
 from tqbatch.workbench import vlm_families
 
 GOLDEN = golden.DIRECTORY

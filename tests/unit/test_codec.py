@@ -4,7 +4,7 @@ Quantizing must write the very bits mlx-vlm's codec writes (a row must hold
 what a per-request ``TurboQuantKVCache`` holds), dequantizing must give the
 very floats, and attention over the packed state must agree with mlx-vlm's
 decode path and with dequantize + SDPA within the rounding bound the harness
-derives (``tqbatch.testing.tolerances.attention_tolerance``).
+derives (``tqbatch.testing.oracles.tolerances.attention_tolerance``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from mlx_vlm.turboquant import (
 
 from tqbatch import _codec
 from tqbatch._devices import metal_kernels_here
-from tqbatch.testing.reference import to_numpy
-from tqbatch.testing.tolerances import attention_tolerance, excess_ratios
+from tqbatch.testing.oracles.reference import to_numpy
+from tqbatch.testing.oracles.tolerances import attention_tolerance, excess_ratios
 
 BITS = range(1, 9)
 # Powers of two use the Hadamard rotation, the others a dense one.

@@ -1,6 +1,6 @@
 """The references' round trip is mlx-vlm's ``dequantize(quantize(x))``, bit for bit.
 
-``tqbatch.testing.codec_round_trip`` repeats the steps of mlx-vlm's plain
+``tqbatch.testing.oracles.codec_round_trip`` repeats the steps of mlx-vlm's plain
 codec without packing the codes; here it is compared with the codec's own
 methods at every width and head dim the machine draws (and 1 and 5 bits),
 on tokens of one and many positions, zero tokens and huge ones, and with a
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlx_vlm.turboquant import _build_codec, _SplitCodec, _TurboQuantMSECodec
 
-from tqbatch.testing.codec_round_trip import _midpoints_below, round_trip
+from tqbatch.testing.oracles.codec_round_trip import _midpoints_below, round_trip
 
 
 def _tokens(dim: int, positions: int, seed: int) -> mx.array:

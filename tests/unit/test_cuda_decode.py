@@ -25,8 +25,8 @@ from mlx_vlm.turboquant import _TurboQuantMSECodec
 
 from tqbatch import BatchTurboQuantKVCache, _codec, _cuda_decode
 from tqbatch._masks import CausalRows
-from tqbatch.testing import tolerances
 from tqbatch.testing.backend import matmul_precision
+from tqbatch.testing.oracles import tolerances
 
 from .support import cache_decode_step, forbid_cuda_kernel
 

@@ -17,7 +17,7 @@ from hypothesis.database import (
     ReadOnlyDatabase,
 )
 
-from tqbatch.testing.databases import (
+from tqbatch.testing.search.databases import (
     DEFAULT_ARTIFACT,
     DEFAULT_LOCAL,
     DatabaseSpecError,

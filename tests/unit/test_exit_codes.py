@@ -24,8 +24,8 @@ import pytest
 import tqbatch.commands
 from tqbatch import cli
 from tqbatch.exitcodes import HARNESS_MODULES, ExitCode, missing_harness
-from tqbatch.testing import golden
-from tqbatch.testing.campaign import CampaignResult
+from tqbatch.testing.replay import golden
+from tqbatch.testing.search.campaign import CampaignResult
 from tqbatch.workbench import vlm_families
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -291,7 +291,7 @@ def test_5_models_where_every_cell_is_not_applicable(capsys):
 
 
 def test_5_conformance_and_fuzz_that_ran_no_example(monkeypatch):
-    from tqbatch.testing import campaign, shards
+    from tqbatch.testing.search import campaign, shards
 
     monkeypatch.setattr(campaign, "run_campaign", lambda impl, **kw: CampaignResult())
     assert cli.main(["conformance", "tqbatch", "--examples", "1"]) == ExitCode.NOTHING_CHECKED

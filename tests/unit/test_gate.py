@@ -28,17 +28,18 @@ from hypothesis import given
 
 from tqbatch import cli
 from tqbatch.exitcodes import ExitCode
-from tqbatch.testing import golden
-from tqbatch.testing import strategies as tqs
-from tqbatch.testing.doubles import WithoutSeed, WithoutSplitBits
-from tqbatch.testing.impl import (
+from tqbatch.testing.contract import strategies as tqs
+from tqbatch.testing.contract.ops import bad_input_cases
+from tqbatch.testing.gate.known_failures import KnownFailures
+from tqbatch.testing.replay import golden
+from tqbatch.testing.replay.scenario import Scenario, replay
+from tqbatch.testing.selfcheck.doubles import WithoutSeed, WithoutSplitBits
+from tqbatch.testing.target import (
     capabilities,
     load_impl,
     missing_capabilities,
     unsupported_configurations,
 )
-from tqbatch.testing.known_failures import KnownFailures
-from tqbatch.testing.scenario import Scenario, replay
 from tqbatch.testing.world import UnsupportedOp, World
 
 MUTANT = "tqbatch.testing.mutants:SizeAsArray"
@@ -243,7 +244,7 @@ def test_a_configuration_the_constructor_cannot_take_is_unsupported_not_run():
 
 
 def _config(**extra) -> dict:
-    from tqbatch.testing.scenario import DEFAULT_CONFIG
+    from tqbatch.testing.replay.scenario import DEFAULT_CONFIG
 
     return {**DEFAULT_CONFIG, **extra}
 
@@ -256,9 +257,9 @@ def test_configurations_a_constructor_cannot_take_are_not_drawn(config):
 
 def test_bad_input_needing_another_seed_is_not_drawn_without_one():
     caps = capabilities(WithoutSeed)
-    cases = [case for case, _ in tqs.bad_input_cases(2, 3, caps, 0)]
+    cases = [case for case, _ in bad_input_cases(2, 3, caps, 0)]
     assert "extend-mixed-config" not in cases and "merge-mixed-config" in cases
-    full = [case for case, _ in tqs.bad_input_cases(2, 3, capabilities(WithoutSplitBits), 0)]
+    full = [case for case, _ in bad_input_cases(2, 3, capabilities(WithoutSplitBits), 0)]
     assert "extend-mixed-config" in full
 
 
@@ -267,7 +268,7 @@ def test_bad_input_needing_another_seed_is_not_drawn_without_one():
     [(WithoutSplitBits, "split key/value bits"), (WithoutSeed, "a codec seed other than 0")],
 )
 def test_fuzz_lists_unsupported_configurations_not_failures(tmp_path, capsys, double, unsupported):
-    args = ["fuzz", "--impl", f"tqbatch.testing.doubles:{double.__name__}", "--survey"]
+    args = ["fuzz", "--impl", f"tqbatch.testing.selfcheck.doubles:{double.__name__}", "--survey"]
     args += ["--examples", "3", "--profile", "ci", "--out", str(tmp_path / "failures")]
     assert cli.main(args) == ExitCode.OK
     out, err = capsys.readouterr()

@@ -1,4 +1,4 @@
-"""Meta-tests of the judges (tqbatch.testing.judges): what passes, what fails, and how they say it.
+"""Meta-tests of the judges (tqbatch.testing.oracles.judges): what passes, what fails, and how.
 
 Every check of a cache's numbers, in the state machine and in the workbench's
 request oracle, goes through these functions, so they are held to exact
@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tqbatch.testing.judges import compare, judge, judge_tokens
-from tqbatch.testing.tolerances import content_tolerance
+from tqbatch.testing.oracles.judges import compare, judge, judge_tokens
+from tqbatch.testing.oracles.tolerances import content_tolerance
 
 
 def test_within_the_bound_passes_and_past_it_fails():

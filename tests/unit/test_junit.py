@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from tqbatch.testing.campaign import CampaignResult
-from tqbatch.testing.junit import write_junit
+from tqbatch.testing.gate.junit import write_junit
+from tqbatch.testing.search.campaign import CampaignResult
 
 TARGET = "tqbatch.testing.mutants:SizeAsArray"
 

@@ -1,18 +1,18 @@
-"""Known-failures files (``tqbatch.testing.known_failures``): the format, and a run judged by one.
+"""Known-failures files (``tqbatch.testing.gate.known_failures``): the format, a run judged by one.
 
 Each rule of the format is shown refusing a purpose-built bad file, naming
-the line; the judgement is shown on each of its three outcomes.
+the line; the triage is shown on each of its three outcomes.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tqbatch.testing.known_failures import (
+from tqbatch.testing.gate.known_failures import (
     SHIPPED_DIR,
-    Judgement,
     KnownFailures,
     KnownFailuresError,
+    Triage,
     format_known_failures,
     shipped,
 )
@@ -63,15 +63,15 @@ def test_a_missing_file_is_an_error(tmp_path):
 
 def test_judge_splits_known_new_and_fixed():
     known = KnownFailures({"size": "r", "offset@roundtrip": "r", "rejects@trim-negative": "r"})
-    judgement = known.judge(["structure", "size", "size", "rejects@trim-negative"])
-    assert judgement == Judgement(
+    triage = known.triage(["structure", "size", "size", "rejects@trim-negative"])
+    assert triage == Triage(
         known=["size", "rejects@trim-negative"], new=["structure"], fixed=["offset@roundtrip"]
     )
-    assert not judgement.ok and not judgement.strict_ok
-    only_fixed = known.judge(["size", "rejects@trim-negative"])
+    assert not triage.ok and not triage.strict_ok
+    only_fixed = known.triage(["size", "rejects@trim-negative"])
     assert only_fixed.ok and not only_fixed.strict_ok  # fixed fails only a strict run
-    assert known.judge(known.entries).strict_ok
-    assert KnownFailures.empty().judge(["size"]).new == ["size"]
+    assert known.triage(known.entries).strict_ok
+    assert KnownFailures.empty().triage(["size"]).new == ["size"]
 
 
 def test_a_written_list_loads_back_and_merges():

@@ -1,7 +1,7 @@
 """The CPU lane: chosen from the environment at import, kept for mlx-vlm too, reported.
 
 Each case runs in a fresh interpreter, since the lane is a process's and must
-hold from the first import on (``tqbatch.testing.lane``). Where no Metal is
+hold from the first import on (``tqbatch.testing.backend.lane``). Where no Metal is
 present, closing mlx-vlm's gate changes no computation: these tests check the
 gate itself; the simulated Mac (``tests/unit/test_simulated_mac.py``) checks
 that no Metal kernel runs.
@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tqbatch.testing import lane
+from tqbatch.testing.backend import lane
 
 
 def _python(code: str, **env) -> dict:
@@ -33,7 +33,7 @@ _REPORT = """
 import json, sys
 import mlx.core as mx
 import mlx_vlm.turboquant as turboquant
-from tqbatch.testing import lane
+from tqbatch.testing.backend import lane
 print(json.dumps({
     "closed": turboquant._metal_available is lane._closed_gate,
     "device": str(mx.default_device().type),

@@ -7,9 +7,9 @@ from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import tqbatch
-from tqbatch.testing.machine_observer import MachineObserver
 from tqbatch.testing.mutants import SizeAsArray
-from tqbatch.testing.stateful import BatchCacheMachine, machine_for
+from tqbatch.testing.search.machine_observer import MachineObserver
+from tqbatch.testing.search.stateful import BatchCacheMachine, machine_for
 
 FEW = settings(
     max_examples=2,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from mlx_vlm.models.base import scaled_dot_product_attention
 
 from tqbatch import _codec, _masks
-from tqbatch.testing.reference import to_numpy
+from tqbatch.testing.oracles.reference import to_numpy
 
 from .support import normal
 

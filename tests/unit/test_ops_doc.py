@@ -1,12 +1,12 @@
 """docs/ops.md's vocabulary section is the op modules' declarations, as written by
-``python -m tqbatch.testing.ops --write docs/ops.md``."""
+``python -m tqbatch.testing.contract.ops --write docs/ops.md``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tqbatch.testing.ops import OPS
-from tqbatch.testing.ops.__main__ import render, vocabulary
+from tqbatch.testing.contract.ops import OPS
+from tqbatch.testing.contract.ops.__main__ import render, vocabulary
 
 OPS_MD = Path(__file__).resolve().parents[2] / "docs" / "ops.md"
 
@@ -14,7 +14,7 @@ OPS_MD = Path(__file__).resolve().parents[2] / "docs" / "ops.md"
 def test_docs_ops_md_is_generated_from_the_op_modules():
     text = OPS_MD.read_text()
     assert text == render(text), (
-        "docs/ops.md is out of date: run python -m tqbatch.testing.ops --write docs/ops.md"
+        "docs/ops.md is out of date: run python -m tqbatch.testing.contract.ops --write docs/ops.md"
     )
 
 

@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 from mlx_vlm import turboquant
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.testing.packing import pack_lowbit, unpack_lowbit, vectorized_packing
+from tqbatch.testing.oracles.packing import pack_lowbit, unpack_lowbit, vectorized_packing
 
 # mlx-vlm's fallback loops, held before any test could leave a replacement behind.
 MLX_VLM_PACK, MLX_VLM_UNPACK = turboquant._pack_lowbit, turboquant._unpack_lowbit

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch.testing.campaign import contract_identities, quiet_stop_round, run_campaign
-from tqbatch.testing.impl import load_impl
-from tqbatch.testing.known_failures import KnownFailures, shipped
-from tqbatch.testing.shards import run_in_processes
+from tqbatch.testing.gate.known_failures import KnownFailures, shipped
+from tqbatch.testing.search.campaign import contract_identities, quiet_stop_round, run_campaign
+from tqbatch.testing.search.shards import run_in_processes
+from tqbatch.testing.target import load_impl
 
 from .support import campaign_summary
 

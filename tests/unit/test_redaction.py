@@ -26,8 +26,13 @@ from hypothesis.database import InMemoryExampleDatabase
 
 from tqbatch import cli
 from tqbatch.exitcodes import ExitCode
-from tqbatch.testing import databases
-from tqbatch.testing.databases import DatabaseSpecError, open_database, redact_text, redact_url
+from tqbatch.testing.search import databases
+from tqbatch.testing.search.databases import (
+    DatabaseSpecError,
+    open_database,
+    redact_text,
+    redact_url,
+)
 
 PASSWORD = "s3cr3t-PASS"
 URL = f"redis://:{PASSWORD}@127.0.0.1:1/0"  # port 1: nothing listens, it fails fast
@@ -221,7 +226,7 @@ def test_fuzz_shows_no_github_token(tmp_path, summary, monkeypatch, capsys, recw
 
 
 def test_shards_that_did_not_run_show_no_password(monkeypatch):
-    from tqbatch.testing import shards
+    from tqbatch.testing.search import shards
 
     class Failed:
         """A pytest-xdist run that ended in a usage error, its traceback quoting the options."""

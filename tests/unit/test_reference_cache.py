@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.testing.reference import TurboReferences, to_numpy
+from tqbatch.testing.oracles.reference import TurboReferences, to_numpy
 
 STEPS = [  # (tokens for request 0, tokens for request 1, trim 0, trim 1)
     (5, 3, 0, 0),

@@ -8,9 +8,9 @@ import numpy as np
 from mlx_vlm.turboquant import _codebook, _SplitCodec
 
 import tqbatch
-from tqbatch.testing.reference import TurboReferences
-from tqbatch.testing.reference_codecs import reference_codecs
-from tqbatch.testing.tolerances import content_tolerance
+from tqbatch.testing.oracles.reference import TurboReferences
+from tqbatch.testing.oracles.reference_codecs import reference_codecs
+from tqbatch.testing.oracles.tolerances import content_tolerance
 from tqbatch.testing.world import World
 
 CONFIG = dict(bits=3.0, seed=2, key_bits=None, value_bits=4.0)

@@ -1,4 +1,4 @@
-"""The ``rollback`` op (tqbatch/testing/ops/rollback.py): a ragged speculative commit.
+"""The ``rollback`` op (tqbatch/testing/contract/ops/rollback.py): a ragged speculative commit.
 
 The op must be what a speculative server does: its effect on a cache equals
 mlx-vlm's own commit of a ragged accept
@@ -19,7 +19,7 @@ from mlx_vlm.speculative.cache_state import rollback_speculative_cache
 
 from tqbatch import BatchTurboQuantKVCache
 from tqbatch.testing.mutants import FinalizeForgetsPaddingAfterWrite
-from tqbatch.testing.reference import as_ints
+from tqbatch.testing.oracles.reference import as_ints
 from tqbatch.testing.world import World
 
 H, D = 2, 64

@@ -263,7 +263,7 @@ def test_restore_in_a_fresh_process(tmp_path, rng):
         import json, sys
         import mlx.core as mx, numpy as np
         from mlx.utils import tree_unflatten
-        from tqbatch.testing.impl import load_impl
+        from tqbatch.testing.target import load_impl
         arrays, meta = mx.load(sys.argv[1] + "/cache.safetensors", return_metadata=True)
         cache = load_impl().from_state(
             tree_unflatten(list(arrays.items())), tuple(json.loads(meta["meta_state"]))

@@ -17,7 +17,9 @@ child = subprocess.Popen([sys.executable, "-c", sys.argv[1].format(parent=os.get
 print(child.pid, flush=True)
 time.sleep(120)
 """
-CHILD = "from tqbatch.testing.shards import exit_with_parent; import time; {} time.sleep(120)"
+CHILD = (
+    "from tqbatch.testing.search.shards import exit_with_parent; import time; {} time.sleep(120)"
+)
 
 
 def _alive(pid: int) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tqbatch.testing.simulated_metal import read_launch_log
+from tqbatch.testing.backend.simulated_metal import read_launch_log
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "tests" / "simulated_mac"

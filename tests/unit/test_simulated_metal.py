@@ -1,4 +1,4 @@
-"""The simulated Mac (``tqbatch.testing.simulated_metal``): patches, MLX's dispatch rules, modes.
+"""The simulated Mac (``tqbatch.testing.backend.simulated_metal``): patches, MLX's dispatch, modes.
 
 Every test uninstalls its simulator on the way out (the ``simulate`` fixture),
 which also empties mlx-vlm's kernel-builder caches, so later tests in the same
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from mlx_vlm import turboquant
 
-from tqbatch.testing import kernel_check
-from tqbatch.testing.simulated_metal import (
+from tqbatch.testing.backend import kernel_check
+from tqbatch.testing.backend.simulated_metal import (
     LOG_VARIABLE,
     VARIABLE,
     Launch,
@@ -131,7 +131,7 @@ def test_a_mac_default_device_and_device_info(simulate):
 def test_installing_does_not_import_mlx():
     code = (
         "import sys\n"
-        "from tqbatch.testing.simulated_metal import SimulatedMetal\n"
+        "from tqbatch.testing.backend.simulated_metal import SimulatedMetal\n"
         "SimulatedMetal('zeros').install()\n"
         "assert not any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules)\n"
         "import mlx.core as mx\n"
@@ -496,7 +496,7 @@ def test_codec_score_and_weighted_sum_kernels_match_mlx_vlm_fallbacks(mac, rng, 
 
 def test_the_lane_still_counts_launches_on_a_simulated_mac(tmp_path):
     # In a subprocess: the suite's own count of launched kernels stays its own.
-    code = QUANTIZE + "from tqbatch.testing import lane\nprint(lane.launched())\n"
+    code = QUANTIZE + "from tqbatch.testing.backend import lane\nprint(lane.launched())\n"
     done, log = _simulated_python(code, tmp_path, "zeros")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "{'turboquant_norot_quantize_4': 1}"

@@ -1,4 +1,4 @@
-"""The survey spread over processes (``tqbatch.testing.shards.run_in_processes``)."""
+"""The survey spread over processes (``tqbatch.testing.search.shards.run_in_processes``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 import tqbatch
 from tqbatch.conformance.test_state_machine import _importable_spec
-from tqbatch.testing.shards import run_in_processes
+from tqbatch.testing.search.shards import run_in_processes
 
 from .support import campaign_summary
 

@@ -15,9 +15,13 @@ import pytest
 from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.testing.generation import POISON
-from tqbatch.testing.numpy_model import causal_mask
-from tqbatch.testing.tolerances import attention_tolerance, content_tolerance, fast_exp_error
+from tqbatch.testing.oracles.generation import POISON
+from tqbatch.testing.oracles.numpy_model import causal_mask
+from tqbatch.testing.oracles.tolerances import (
+    attention_tolerance,
+    content_tolerance,
+    fast_exp_error,
+)
 
 CASES = [(bits, d, t) for bits in (2.0, 4.0, 8.0) for d in (64, 128) for t in (1, 9, 60)]
 

@@ -61,8 +61,8 @@ def add_impl_argument(
     default: str = "$TQBATCH_IMPL or tqbatch.BatchTurboQuantKVCache",
 ) -> None:
     """The ``--impl MODULE:CLASS`` option every command shares (resolved by ``load_impl``,
-    which also takes the short names of ``tqbatch.testing.impl.ALIASES``)."""
-    from tqbatch.testing.impl import ALIASES
+    which also takes the short names of ``tqbatch.testing.target.ALIASES``)."""
+    from tqbatch.testing.target import ALIASES
 
     parser.add_argument(
         "--impl",

@@ -1,7 +1,7 @@
 """What ``conformance`` and ``fuzz --known-failures`` share: a survey judged as a CI gate.
 
-A survey's failures (``tqbatch.testing.campaign``) are judged against the
-target's known failures (``tqbatch.testing.known_failures``): a contract
+A survey's failures (``tqbatch.testing.search.campaign``) are judged against the
+target's known failures (``tqbatch.testing.gate.known_failures``): a contract
 failure that is not listed fails the run, a listed one is reported as
 expected, a listed one not found is reported as no longer failing (and fails
 the run only with ``--strict-known-failures``). Policy differences never
@@ -14,14 +14,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqbatch.testing.known_failures import (
-    Judgement,
+from tqbatch.testing.gate.known_failures import (
     KnownFailures,
     KnownFailuresError,
-    failure_key,
+    Triage,
     format_known_failures,
     shipped,
 )
+from tqbatch.testing.search.machine_observer import failure_key
 
 
 def add_known_failures_arguments(parser, *, per_target: bool) -> None:
@@ -85,7 +85,7 @@ class Verdict:
     contract: list = field(default_factory=list)  # failure dicts (contract and harness)
     policy: list = field(default_factory=list)
     paths: dict = field(default_factory=dict)  # failure key -> saved scenario
-    judgement: Judgement = field(default_factory=Judgement)
+    triage: Triage = field(default_factory=Triage)
     failing: list = field(default_factory=list)  # identities that fail the run
     known_failures: list = field(default_factory=list)  # the files applied
     unsupported_ops: list = field(default_factory=list)
@@ -96,7 +96,7 @@ class Verdict:
         return not self.contract
 
     def passes(self, strict: bool = False) -> bool:
-        return not self.failing and not (strict and self.judgement.fixed)
+        return not self.failing and not (strict and self.triage.fixed)
 
     def to_json(self, strict: bool = False) -> dict:
         return {
@@ -109,9 +109,9 @@ class Verdict:
             "policy_differences": [self._failure(f) for f in self.policy],
             "known_failures_files": list(self.known_failures),
             # new: what fails the run (a policy difference not listed is only listed above)
-            "known": list(self.judgement.known),
+            "known": list(self.triage.known),
             "new": list(self.failing),
-            "fixed": list(self.judgement.fixed),
+            "fixed": list(self.triage.fixed),
             "unsupported": {
                 "ops": list(self.unsupported_ops),
                 "configurations": list(self.unsupported_configurations),
@@ -132,9 +132,9 @@ class Verdict:
         }
 
     def report_lines(self, strict: bool = False) -> list[str]:
-        """What a log shows of the judgement, beyond the failures themselves."""
+        """What a log shows of the triage, beyond the failures themselves."""
         lines = []
-        j = self.judgement
+        j = self.triage
         if self.known_failures:  # else every contract failure fails the run: nothing to add
             lines.append(
                 f"  known failures ({', '.join(self.known_failures)}): {len(j.known)} found "
@@ -155,14 +155,14 @@ class Verdict:
         return lines
 
 
-def judge(name, impl, result, known: KnownFailures, files=(), paths=()) -> Verdict:
+def verdict_of(name, impl, result, known: KnownFailures, files=(), paths=()) -> Verdict:
     """``result`` (a survey of ``impl``) against ``known``."""
-    from tqbatch.testing.impl import impl_spec, missing_capabilities, unsupported_configurations
+    from tqbatch.testing.target import impl_spec, missing_capabilities, unsupported_configurations
 
     spec = impl_spec(impl)
     contract = [f for f in result.failures if f.get("level") != "policy"]
     policy = [f for f in result.failures if f.get("level") == "policy"]
-    judgement = known.judge(failure_key(f) for f in result.failures)
+    triage = known.triage(failure_key(f) for f in result.failures)
     gated = {failure_key(f) for f in contract}
     return Verdict(
         name=name,
@@ -171,8 +171,8 @@ def judge(name, impl, result, known: KnownFailures, files=(), paths=()) -> Verdi
         contract=contract,
         policy=policy,
         paths={failure_key(f): p for f, p in zip(result.failures, paths) if p},
-        judgement=judgement,
-        failing=[i for i in judgement.new if i in gated],
+        triage=triage,
+        failing=[i for i in triage.new if i in gated],
         known_failures=[str(f) for f in files],
         unsupported_ops=missing_capabilities(impl),
         unsupported_configurations=unsupported_configurations(impl),
@@ -185,7 +185,7 @@ def write_known_failures(path, verdict: Verdict, command: str) -> int:
     Each reason is what the check saw, prefixed so that a human replaces it
     with why the failure is known (an upstream issue, a decision).
     """
-    from tqbatch.testing.impl import load_impl
+    from tqbatch.testing.target import load_impl
 
     header = [
         f"Known failures of {verdict.impl}{_version_of(load_impl(verdict.impl))}.",

@@ -16,10 +16,10 @@ import sys
 from tqbatch.commands import add_impl_argument, step_summary
 from tqbatch.exitcodes import ExitCode
 from tqbatch.testing.backend import describe_line
-from tqbatch.testing.impl import capabilities, impl_spec
+from tqbatch.testing.target import capabilities, impl_spec
 from tqbatch.workbench import bench
 
-# Capabilities (tqbatch.testing.impl.capabilities) each timed op needs besides merge.
+# Capabilities (tqbatch.testing.target.capabilities) each timed op needs besides merge.
 _NEEDS = {
     "merge": (),
     "extend": ("extend",),

@@ -1,6 +1,6 @@
 """``tqbatch conformance``: survey several caches and tabulate their distinct failures; a CI gate.
 
-Each target gets a survey (``tqbatch.testing.campaign``, ``--survey`` of
+Each target gets a survey (``tqbatch.testing.search.campaign``, ``--survey`` of
 ``tqbatch fuzz``) with the same budget and seed, under the derandomization
 of a fixed seed: the table is the same on every run. By default the targets
 are mlx-vlm's ``BatchTurboQuantKVCache``, tqbatch's cache and the mutants
@@ -13,7 +13,7 @@ and its examples as they run.
 
 As a gate: ``--known-failures FILE`` (every target) or ``TARGET=FILE`` (one
 target), repeatable, lists the failures a target is known to have
-(``tqbatch.testing.known_failures``). ``--write-known-failures FILE``
+(``tqbatch.testing.gate.known_failures``). ``--write-known-failures FILE``
 writes what one target's survey found in that format, for a human to
 review.
 
@@ -37,8 +37,8 @@ from pathlib import Path
 from tqbatch.commands import console as make_console
 from tqbatch.commands import step_summary
 from tqbatch.exitcodes import ExitCode
-from tqbatch.testing.impl import ALIASES, resolve_alias
-from tqbatch.testing.known_failures import failure_key
+from tqbatch.testing.search.machine_observer import failure_key
+from tqbatch.testing.target import ALIASES, resolve_alias
 
 
 def register(subparsers) -> None:
@@ -114,9 +114,9 @@ def _lists_per_target(args, targets, specs) -> dict[str, list[str]]:
 
 def run(args) -> int:
     from tqbatch.commands import _gate
-    from tqbatch.testing.campaign import run_campaign
-    from tqbatch.testing.impl import impl_spec, load_impl
-    from tqbatch.testing.known_failures import KnownFailuresError
+    from tqbatch.testing.gate.known_failures import KnownFailuresError
+    from tqbatch.testing.search.campaign import run_campaign
+    from tqbatch.testing.target import impl_spec, load_impl
 
     def usage(message: str) -> int:
         print(f"tqbatch conformance: {message}", file=sys.stderr)
@@ -152,7 +152,7 @@ def run(args) -> int:
         )
         progress.done(result.examples)
         paths = _save(result, impl, args) if args.out else []
-        verdict = _gate.judge(name, impl, result, known[name], files[name], paths)
+        verdict = _gate.verdict_of(name, impl, result, known[name], files[name], paths)
         verdicts.append(verdict)
         stream = sys.stderr if quiet_stdout else sys.stdout
         print(_line(verdict, args.strict_known_failures), file=stream, flush=True)
@@ -179,8 +179,8 @@ def run(args) -> int:
                 if v.failing
                 else []
             )
-            if args.strict_known_failures and v.judgement.fixed:
-                why.append(f"listed but not found {', '.join(v.judgement.fixed)}")
+            if args.strict_known_failures and v.triage.fixed:
+                why.append(f"listed but not found {', '.join(v.triage.fixed)}")
             print(f"tqbatch conformance: {v.name}: {'; '.join(why)}", file=sys.stderr)
     if args.markdown:
         print(_markdown(verdicts, args))
@@ -274,7 +274,7 @@ def _markdown(verdicts, args) -> str:
             "|---|---|---|---|",
         ]
         for v in judged:
-            j = v.judgement
+            j = v.triage
             lines.append(
                 f"| `{_short(v.name)}` | {len(j.known)} | {_cell(v.failing)} | {_cell(j.fixed)} |"
             )
@@ -304,8 +304,8 @@ def _line(verdict, strict: bool) -> str:
 
 
 def _save(result, impl, args) -> list:
-    from tqbatch.testing.campaign import save_failures
-    from tqbatch.testing.impl import impl_spec
+    from tqbatch.testing.search.campaign import save_failures
+    from tqbatch.testing.target import impl_spec
 
     options = {"impl": impl_spec(impl), "survey": True}
     options.update(examples=args.examples, seed=args.seed, profile=args.profile)

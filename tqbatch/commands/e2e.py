@@ -57,7 +57,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqbatch.testing.impl import impl_spec, load_impl
+    from tqbatch.testing.target import impl_spec, load_impl
 
     impl = load_impl(args.impl)
     if args.family is not None:
@@ -154,7 +154,7 @@ def _print_model_level(result: ScenarioResult):
 
 def run_family(family: str, impl, backend) -> int:
     """``family`` through mlx-lm's ``BatchGenerator`` under the matrix's cache oracle."""
-    from tqbatch.testing.impl import impl_spec
+    from tqbatch.testing.target import impl_spec
     from tqbatch.workbench import batch_generator_scenario, model_matrix
 
     target = model_matrix.Target(impl_spec(impl), impl)

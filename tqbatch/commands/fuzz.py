@@ -1,22 +1,22 @@
 """``tqbatch fuzz``: a bounded property-machine campaign against a target.
 
-Argument parsing and printing around ``tqbatch.testing.campaign``: a
+Argument parsing and printing around ``tqbatch.testing.search.campaign``: a
 progress bar, then a summary (examples, shrink runs, how often each op ran,
 op pairs covered, failures). On a failure it prints the shrunk op sequence,
-saves it as a scenario (``tqbatch.testing.scenario``) and exits 1.
+saves it as a scenario (``tqbatch.testing.replay.scenario``) and exits 1.
 ``--survey`` keeps going after failures and lists every distinct failing
 check, each with its own saved scenario; it exits 1 only for failures of the
-contract (policy differences are listed, see ``tqbatch.testing.checks``).
-``--workers N`` runs N shards through pytest-xdist (``tqbatch.testing.shards``),
+contract (policy differences are listed, see ``tqbatch.testing.contract.checks``).
+``--workers N`` runs N shards through pytest-xdist (``tqbatch.testing.search.shards``),
 each shard a distinct seed; every shard's failures are reported.
 ``--database SPEC`` shares a Hypothesis example database
-(``tqbatch.testing.databases``) with every other campaign pointed at it: what
+(``tqbatch.testing.search.databases``) with every other campaign pointed at it: what
 is saved there is replayed first, and what is found is saved there.
 ``--replay-only`` replays it and generates nothing (exit 5 when nothing was
 saved: nothing was checked). ``--junit-xml PATH`` writes a JUnit XML report
-(``tqbatch.testing.junit``). ``--known-failures FILE`` (implies
+(``tqbatch.testing.gate.junit``). ``--known-failures FILE`` (implies
 ``--survey``) judges the failures against a known-failures list
-(``tqbatch.testing.known_failures``), as ``tqbatch conformance`` does: only
+(``tqbatch.testing.gate.known_failures``), as ``tqbatch conformance`` does: only
 contract failures that are not listed fail the run, listed ones not found
 are reported as no longer failing (and fail it with
 ``--strict-known-failures``). Configurations the target's constructor cannot
@@ -123,21 +123,21 @@ def run(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tqbatch.commands import _gate
-    from tqbatch.testing.databases import (
+    from tqbatch.testing.gate.known_failures import KnownFailuresError
+    from tqbatch.testing.search.databases import (
         DatabaseSpecError,
         check_database,
         open_database,
         redact_text,
         redact_url,
     )
-    from tqbatch.testing.impl import (
+    from tqbatch.testing.search.shards import campaign_from_options, run_shards
+    from tqbatch.testing.target import (
         impl_spec,
         load_impl,
         missing_capabilities,
         unsupported_configurations,
     )
-    from tqbatch.testing.known_failures import KnownFailuresError
-    from tqbatch.testing.shards import campaign_from_options, run_shards
 
     console = make_console(stderr=True)
     impl = load_impl(args.impl)  # a bad target: ImplSpecError, reported by tqbatch.cli
@@ -231,13 +231,13 @@ def run(args) -> int:
                 database=database,
             )
     _print_summary(result, target, args.backend, missing, shown_database, configurations)
-    from tqbatch.testing.campaign import save_failures
+    from tqbatch.testing.search.campaign import save_failures
 
     paths = save_failures(result, args.out, backend=args.backend, options=shown)
     verdict = None
     if args.survey:
         _print_survey(result, paths)
-        verdict = _gate.judge(target, impl, result, known, known_files, paths)
+        verdict = _gate.verdict_of(target, impl, result, known, known_files, paths)
         for line in verdict.report_lines(args.strict_known_failures):
             console.print(escape(line.strip()))
     elif result.failure:
@@ -250,7 +250,7 @@ def run(args) -> int:
             console.print(f"saved as a scenario: {path}  (reproduce: tqbatch replay {path})")
     nothing_checked = not (result.examples or result.replayed or result.failures)
     if args.junit_xml:
-        from tqbatch.testing.junit import write_junit
+        from tqbatch.testing.gate.junit import write_junit
 
         write_junit(
             result,
@@ -363,7 +363,7 @@ def _markdown(result, target, backend, paths, database, code, verdict=None) -> s
         f"| failures | {len(result.failures)} |",
     ]
     if verdict is not None and verdict.known_failures:
-        j = verdict.judgement
+        j = verdict.triage
         lines += [
             f"| known failures found | {len(j.known)} |",
             f"| not known (fail the run) | {md_cell(', '.join(verdict.failing))} |",

@@ -88,7 +88,7 @@ def _families(names) -> list[str]:
 
 
 def _targets(args):
-    from tqbatch.testing.impl import impl_spec, load_impl
+    from tqbatch.testing.target import impl_spec, load_impl
     from tqbatch.workbench import model_matrix
 
     impl = load_impl(args.impl)

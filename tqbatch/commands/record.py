@@ -1,7 +1,7 @@
 """``tqbatch record [PATH...]``: (re-)record golden scenarios, explicitly.
 
 Without a path it records the golden scenarios shipped with tqbatch
-(``tqbatch.testing.golden``: in a checkout, the files under version control).
+(``tqbatch.testing.replay.golden``: in a checkout, the files under version control).
 
 Recording is never done by a test run: only this command (and the nox
 ``golden -- --regen`` session, which calls it with ``--all``) writes ``.npz``
@@ -20,8 +20,8 @@ import sys
 
 from tqbatch.commands import add_impl_argument
 from tqbatch.exitcodes import ExitCode
-from tqbatch.testing import golden
-from tqbatch.testing.impl import ImplSpecError, load_impl
+from tqbatch.testing.replay import golden
+from tqbatch.testing.target import ImplSpecError, load_impl
 
 
 def register(subparsers) -> None:
@@ -51,7 +51,7 @@ def register(subparsers) -> None:
 def record_paths(paths, *, everything: bool = False, impl: str | None = None) -> int:
     """Record the scenarios under ``paths``; the exit code (see the module docstring)."""
     # Imported here: the executor needs the harness extra, the parser must not.
-    from tqbatch.testing.scenario import (
+    from tqbatch.testing.replay.scenario import (
         RecordError,
         Scenario,
         ScenarioError,

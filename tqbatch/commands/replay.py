@@ -1,7 +1,7 @@
 """``tqbatch replay [PATH...]``: replay golden scenarios; non-zero exit on divergence.
 
 Without a path it replays the golden scenarios shipped with tqbatch
-(``tqbatch.testing.golden``).
+(``tqbatch.testing.replay.golden``).
 
 Exit codes (``tqbatch.exitcodes``): 0 every scenario that ran replayed
 green (scenarios skipped because the target lacks an operation they need are
@@ -28,9 +28,9 @@ import numpy as np
 
 from tqbatch.commands import add_impl_argument, md_cell, step_summary
 from tqbatch.exitcodes import ExitCode
-from tqbatch.testing import golden
 from tqbatch.testing.backend import describe_line
-from tqbatch.testing.impl import ImplSpecError, load_impl
+from tqbatch.testing.replay import golden
+from tqbatch.testing.target import ImplSpecError, load_impl
 
 
 def register(subparsers) -> None:
@@ -71,7 +71,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     # Imported here: the executor needs the harness extra, the parser must not.
-    from tqbatch.testing.scenario import Scenario, ScenarioError, discover, replay
+    from tqbatch.testing.replay.scenario import Scenario, ScenarioError, discover, replay
 
     try:
         explicit = load_impl(args.impl) if args.impl else None

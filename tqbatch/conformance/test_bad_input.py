@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tqbatch.conformance import Found, failing, judge, options, repro, spec
-from tqbatch.testing.strategies import BAD_INPUT_ERRORS
+from tqbatch.testing.contract.ops import BAD_INPUT_ERRORS
+from tqbatch.testing.gate.session import BY_CASE, Found, conclude, failing, options, repro, spec
 
 # The cases in the catalogue's order: test ids that do not depend on the target.
 CASES = list(BAD_INPUT_ERRORS)
@@ -27,12 +27,13 @@ def _setup_ops(capabilities: dict) -> list[dict]:
     return ops + [{"op": "attend", "queries": 1, "q_heads": Q_HEADS, "q_seed": 2}]
 
 
+@pytest.mark.tqbatch_expects(BY_CASE)
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input(case, tqbatch_harness, request):
     """Bad input ``case`` is rejected with its documented error and changes nothing."""
-    from tqbatch.testing.checks import CheckFailure, KnownFailure
-    from tqbatch.testing.impl import capabilities
-    from tqbatch.testing.strategies import bad_input_cases, expect_error_op
+    from tqbatch.testing.contract.checks import CheckFailure, ToleratedDivergence
+    from tqbatch.testing.contract.ops import bad_input_cases, expect_error_op
+    from tqbatch.testing.target import capabilities
     from tqbatch.testing.world import World
 
     state = tqbatch_harness
@@ -60,7 +61,7 @@ def test_bad_input(case, tqbatch_harness, request):
                 world.check()
     except CheckFailure as exc:
         raised = [exc, *exc.also]
-    except KnownFailure as exc:  # a listed failure after which the cache has diverged
+    except ToleratedDivergence as exc:  # a listed failure after which the cache has diverged
         raised = [exc.failure]
     failures = list({f.identity: f for f in [*world.tolerated, *raised]}.values())
     if not failures and case not in cases:
@@ -68,7 +69,7 @@ def test_bad_input(case, tqbatch_harness, request):
         pytest.skip(f"{spec(state)} lacks what {case} needs (it lacks {', '.join(missing)})")
     found = [Found(f.identity, f.level, f.what, len(world.ops)) for f in failures]
     if raised and failing(state, found):
-        from tqbatch.testing.scenario import write_failure
+        from tqbatch.testing.replay.scenario import write_failure
 
         path = write_failure(
             world.ops,
@@ -82,4 +83,4 @@ def test_bad_input(case, tqbatch_harness, request):
         for f in found:
             if f.identity in {r.identity for r in raised}:
                 f.repro = repro(state, path)
-    judge(request, state, found)
+    conclude(request, state, found)

@@ -6,15 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from tqbatch.conformance import Found, judge, repro
-from tqbatch.testing import golden, plugin
+from tqbatch.testing.gate.session import FOUND, Found, conclude, repro
+from tqbatch.testing.replay import golden
 
 SCENARIOS = golden.paths()
 
 
 def _identity(divergence) -> tuple[str, str]:
     """The identity and level of a replay's divergence: its check's, where it is one."""
-    from tqbatch.testing.checks import CHECKS, CONTRACT, identity, where_of
+    from tqbatch.testing.contract.checks import CONTRACT, identity, where_of
+    from tqbatch.testing.contract.ops import CHECKS
 
     check = CHECKS.get(divergence.quantity)
     if check is None:  # a recording that differs, or a target that cannot be read
@@ -25,7 +26,7 @@ def _identity(divergence) -> tuple[str, str]:
 @pytest.mark.parametrize("scenario_path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
 def test_golden(scenario_path: Path, tqbatch_harness, request):
     """A golden scenario replays green against the cache."""
-    from tqbatch.testing.scenario import Scenario, replay
+    from tqbatch.testing.replay.scenario import Scenario, replay
 
     state = tqbatch_harness
     use_recording = not state.oracles_only
@@ -45,7 +46,7 @@ def test_golden(scenario_path: Path, tqbatch_harness, request):
         # Listed failures it ran past are still failures found: the known-failures
         # summary counts them as still failing, not as unchecked.
         for identity in result.tolerated:
-            request.node.user_properties.append((plugin.FOUND, identity))
+            request.node.user_properties.append((FOUND, identity))
         return
     first = result.divergences[0]
     identity, level = _identity(first)
@@ -60,4 +61,4 @@ def test_golden(scenario_path: Path, tqbatch_harness, request):
             first, (identity, level) = plain.divergences[0], cause
     what = f"{first}{built}"
     found = Found(identity, level, what, len(scenario.ops), repro(state, scenario_path))
-    judge(request, state, [found], note=built)
+    conclude(request, state, [found], note=built)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tqbatch.conformance import Found, failing, judge, options, repro
+from tqbatch.testing.gate.session import BY_OP, Found, conclude, failing, options, repro
 
 
 class _Live:
@@ -24,7 +24,7 @@ class _Live:
         self.started = False
 
     def __call__(self, result) -> None:
-        from tqbatch.testing.known_failures import failure_key
+        from tqbatch.testing.search.machine_observer import failure_key
 
         # By identity: the processes' failures come in process order, not in the order found.
         new = [f for f in result.failures if failure_key(f) not in self.shown]
@@ -45,7 +45,7 @@ class _Live:
 
 def _importable_spec(impl: type) -> str | None:
     """``impl``'s ``module:Class``, where another process can import the class by it."""
-    from tqbatch.testing.impl import impl_spec, load_impl
+    from tqbatch.testing.target import impl_spec, load_impl
 
     spec = impl_spec(impl)
     try:
@@ -54,12 +54,13 @@ def _importable_spec(impl: type) -> str | None:
         return None
 
 
+@pytest.mark.tqbatch_expects(BY_OP)
 def test_state_machine(tqbatch_harness, request):
     """A survey of the state machine lists no failure that is not known."""
     from hypothesis import settings
 
-    from tqbatch.testing.campaign import CampaignResult, run_campaign, save_failures
-    from tqbatch.testing.shards import run_in_processes
+    from tqbatch.testing.search.campaign import CampaignResult, run_campaign, save_failures
+    from tqbatch.testing.search.shards import run_in_processes
 
     state = tqbatch_harness
     examples = state.examples or settings.get_profile(state.profile).max_examples
@@ -104,4 +105,4 @@ def test_state_machine(tqbatch_harness, request):
         for mine, path in zip(new, paths):
             if path is not None:
                 mine.repro = repro(state, path)
-    judge(request, state, found)
+    conclude(request, state, found)

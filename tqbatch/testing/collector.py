@@ -4,7 +4,7 @@ Every check of an op runs whatever the others found: the failures are kept
 while the op's checks run (``collecting``) and settled afterwards
 (``settle``): the first one not tolerated is raised, carrying the others
 (``CheckFailure.also``); tolerated ones are kept; where only tolerated ones
-failed and one of them diverged the target, ``KnownFailure`` ends the run.
+failed and one of them diverged the target, ``ToleratedDivergence`` ends the run.
 """
 
 from __future__ import annotations
@@ -12,17 +12,21 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from tqbatch.testing.checks import CheckFailure, KnownFailure, failure
+from tqbatch.testing.contract.checks import Check, CheckFailure, ToleratedDivergence, failure
 
 __all__ = ["FailureCollector"]
 
 
 class FailureCollector:
-    """The failures of the op being checked. ``tolerate``: a predicate on ``CheckFailure``s
-    to note instead of raise (a survey passes "already reported"); ``tolerated``: those
-    seen so far."""
+    """The failures of the op being checked. ``checks``: the catalogue the checks reported
+    by name are found in (``tqbatch.testing.contract.ops.CHECKS``); ``tolerate``: a
+    predicate on ``CheckFailure``s to note instead of raise (a survey passes "already
+    reported"); ``tolerated``: those seen so far."""
 
-    def __init__(self, tolerate: Callable[[CheckFailure], bool] | None = None):
+    def __init__(
+        self, checks: dict[str, Check], tolerate: Callable[[CheckFailure], bool] | None = None
+    ):
+        self.checks = checks
         self.tolerate = tolerate
         self.tolerated: list[CheckFailure] = []
         # While an op's checks run: the failures found so far. None: settle at once.
@@ -31,7 +35,7 @@ class FailureCollector:
     def report(self, check: str, op, what: str) -> None:
         """The ``CheckFailure`` of ``check``: kept with the op's failures (inside
         ``collecting``), or settled at once."""
-        exc = failure(check, op, what)
+        exc = failure(self.checks[check], op, what)
         if self._found is not None:
             self._found.append(exc)
             return
@@ -41,7 +45,7 @@ class FailureCollector:
         """Report a diverging failure after which nothing more of the op can be evaluated:
         settles the op's failures now, this one last (raises, tolerated or not)."""
         found = self._found if self._found is not None else []
-        found.append(failure(check, op, what))
+        found.append(failure(self.checks[check], op, what))
         self.settle(found)
 
     @contextlib.contextmanager
@@ -88,4 +92,4 @@ class FailureCollector:
             raise first
         diverged = [f for f in unique if f.check.diverged]
         if diverged:
-            raise KnownFailure(diverged[0])
+            raise ToleratedDivergence(diverged[0])

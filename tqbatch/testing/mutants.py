@@ -10,7 +10,7 @@ suite-strength self-test use this catalogue to show that theirs do.
 Each class is importable by path, e.g.
 ``TQBATCH_IMPL=tqbatch.testing.mutants:FilterWithoutCompaction``.
 ``MUTANTS`` maps a name to its class, ``CATCHES`` a name to the check
-(``tqbatch.testing.checks``) that must catch it, ``DESCRIPTIONS`` a name to its
+(``tqbatch.testing.contract.checks``) that must catch it, ``DESCRIPTIONS`` a name to its
 one-line description (the class docstring), ``SEED_DEFECTS`` names the eight
 seed ones.
 """
@@ -23,7 +23,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import _packed
 from tqbatch.cache import BatchTurboQuantKVCache, _as_packed
-from tqbatch.testing.checks import CHECKS
+from tqbatch.testing.contract.ops import CHECKS
 
 __all__ = [
     "MUTANTS",
@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 MUTANTS: dict[str, type[BatchTurboQuantKVCache]] = {}
-# Mutant name -> the check (tqbatch.testing.checks) that must catch it: the
+# Mutant name -> the check (tqbatch.testing.contract.checks) that must catch it: the
 # self-test counts a mutant as caught only by that check.
 CATCHES: dict[str, str] = {}
 SEED_DEFECTS: list[str] = []
@@ -45,7 +45,7 @@ HISTORICAL: list[str] = []
 
 def _mutant(kind: list[str], catches: str):
     if catches not in CHECKS:
-        raise ValueError(f"{catches!r} is not a check of tqbatch.testing.checks")
+        raise ValueError(f"{catches!r} is not a check of tqbatch.testing.contract.checks")
 
     def register(cls):
         MUTANTS[cls.__name__] = cls

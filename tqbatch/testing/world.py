@@ -4,13 +4,13 @@ A ``World`` holds the cache under test (``target``), the numpy model of what
 it should hold (``numpy_model``), mlx-lm's full-precision ``BatchKVCache`` (``dense``)
 and what a single-request ``TurboQuantKVCache`` holds per request (``refs``).
 ``World.apply(op)`` performs one op on all of them, generating K/V and queries
-deterministically from the op's seeds (``tqbatch.testing.generation``), with
-the op's own module (``tqbatch.testing.ops``); ``World.check()`` verifies
-every invariant (``tqbatch.testing.invariants``). Both raise
+deterministically from the op's seeds (``tqbatch.testing.oracles.generation``), with
+the op's own module (``tqbatch.testing.contract.ops``); ``World.check()`` verifies
+every invariant (``tqbatch.testing.contract.invariants``). Both raise
 ``AssertionError`` naming the op and the quantity that diverged, after
 running every check of the op: the raised failure carries the others
-(``CheckFailure.also``). The state machine (``tqbatch.testing.stateful``)
-and golden-scenario replay (``tqbatch.testing.scenario``) are both built on
+(``CheckFailure.also``). The state machine (``tqbatch.testing.search.stateful``)
+and golden-scenario replay (``tqbatch.testing.replay.scenario``) are both built on
 these two calls::
 
     world = World(impl, bits=4.0, seed=0)
@@ -30,21 +30,20 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.testing import invariants, observation
-from tqbatch.testing.checks import CheckFailure, KnownFailure
 from tqbatch.testing.collector import FailureCollector
-from tqbatch.testing.generation import POISON
-from tqbatch.testing.impl import capabilities, load_impl
-from tqbatch.testing.invariants import MASK_CHECKS
-from tqbatch.testing.numpy_model import NumpyBatchModel
-from tqbatch.testing.ops import OPS
-from tqbatch.testing.reference import TurboReferences, to_numpy
+from tqbatch.testing.contract import invariants, observation
+from tqbatch.testing.contract.checks import CheckFailure, ToleratedDivergence
+from tqbatch.testing.contract.ops import OPS, VOCABULARY, Vocabulary
+from tqbatch.testing.oracles.generation import POISON
+from tqbatch.testing.oracles.numpy_model import NumpyBatchModel
+from tqbatch.testing.oracles.reference import TurboReferences, to_numpy
+from tqbatch.testing.target import capabilities, load_impl
 
-__all__ = ["MASK_CHECKS", "POISON", "UnsupportedOp", "World", "format_ops", "nested_ops"]
+__all__ = ["UnsupportedOp", "World", "format_ops", "nested_ops"]
 
 
 class UnsupportedOp(Exception):
-    """The target lacks a capability the op needs (see ``tqbatch.testing.impl``)."""
+    """The target lacks a capability the op needs (see ``tqbatch.testing.target``)."""
 
 
 def nested_ops(op: dict) -> Iterator[dict]:
@@ -85,6 +84,10 @@ class World:
     tolerated failures seen so far).
     """
 
+    # The op vocabulary the world executes, with its catalogues (checks, bad
+    # inputs): an op that runs another op (``expect_error``) reads it here.
+    vocabulary: Vocabulary = VOCABULARY
+
     def __init__(
         self,
         impl: type | None = None,
@@ -106,7 +109,7 @@ class World:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self._ids = ids if ids is not None else itertools.count()
         self.contract_checks = contract_checks
-        self.failures = FailureCollector(tolerate)
+        self.failures = FailureCollector(self.vocabulary.checks, tolerate)
         self.target = None
         self.numpy_model = NumpyBatchModel(kv_heads, head_dim, self._ids)
         self.dense = None  # a DenseReference once a batch exists
@@ -154,7 +157,7 @@ class World:
         Raises ``UnsupportedOp`` if the target lacks a needed capability,
         ``CheckFailure`` (an ``AssertionError``) if the target misbehaves
         during the op (raises unexpectedly, returns wrong values, or an
-        ``expect_error`` op does not raise / changes state), ``KnownFailure``
+        ``expect_error`` op does not raise / changes state), ``ToleratedDivergence``
         if the failure is tolerated but leaves the target diverged. Where
         the op fails a check, the checks of ``check()`` run too before it
         raises, so that the failure carries every check the op fails.
@@ -172,7 +175,7 @@ class World:
         self.ops.append(op)
         try:
             ctx = declared.target(self, op)
-        except (AssertionError, KnownFailure):
+        except (AssertionError, ToleratedDivergence):
             raise
         except Exception as exc:
             # Nothing else of the op can be evaluated: the oracles never ran it.
@@ -191,7 +194,7 @@ class World:
 
         Raises what ``apply`` and ``check`` raise, and ``ObservationError``
         where reading the target afterwards raises. The observation
-        (``tqbatch.testing.observation``): the target's geometry, masks and
+        (``tqbatch.testing.contract.observation``): the target's geometry, masks and
         packed bytes, and what the op yielded (``Op.observe``: attention
         outputs, extracted rows, the trim count).
         """
@@ -213,7 +216,7 @@ class World:
 
         Every check runs whatever the others found; then the first failure
         that is not tolerated is raised, carrying the others in ``also``
-        (``KnownFailure`` where all are tolerated and one has diverged).
+        (``ToleratedDivergence`` where all are tolerated and one has diverged).
         """
         if self.target is None:
             return

@@ -28,7 +28,7 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import mlx_lm as tq_mlx_lm
 from tqbatch.cache import BatchTurboQuantKVCache
-from tqbatch.testing.reference import to_numpy
+from tqbatch.testing.oracles.reference import to_numpy
 from tqbatch.workbench.serving import ForwardLayout
 from tqbatch.workbench.serving_oracle import CacheCheckFailed
 
@@ -43,21 +43,20 @@ LATE_STEP = 2  # B and D join after this many decode steps of A and C
 REMOVE_STEP = 5  # B is removed after this many
 
 
-def run(adapter, requests) -> None:
+def run(adapter, requests, *, bits: float, seed: int) -> None:
     """Drive ``adapter.model`` (a ``model_matrix.MatrixAdapter``) through mlx-lm's
     ``BatchGenerator`` under ``adapter.oracle``; raises ``CacheCheckFailed``.
 
     ``requests`` are teacher-forced ``serving.Request``s: each token taken is
-    appended to the request's ``tokens``."""
-    from tqbatch.workbench.model_matrix import BITS, SEED
-
+    appended to the request's ``tokens``; ``bits`` and ``seed`` configure every
+    request's TurboQuant caches (the matrix's ``BITS`` and ``SEED``)."""
     model, target, oracle = adapter.model, adapter.target, adapter.oracle
     keys: dict[int, str] = {}  # BatchGenerator's uid -> the matrix request
 
     def fresh_caches():
         if not target.quantized:
             return lm_cache.make_prompt_cache(model)
-        return tq_mlx_lm.make_prompt_cache(model, bits=BITS, seed=SEED, batch_class=target.cls)
+        return tq_mlx_lm.make_prompt_cache(model, bits=bits, seed=seed, batch_class=target.cls)
 
     def reusable(caches):
         # tqbatch's extract gives caches that merge into tqbatch's class; for any

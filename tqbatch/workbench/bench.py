@@ -40,7 +40,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.testing.impl import load_impl
+from tqbatch.testing.target import load_impl
 
 OPS = ("merge", "extend", "filter", "extract", "prepare+finalize", "trim", "decode")
 SIDES = ("target", "baseline")

@@ -14,7 +14,7 @@ from mlx_lm.models import cache as lm_cache
 from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.testing.reference import to_numpy
+from tqbatch.testing.oracles.reference import to_numpy
 
 __all__ = ["FULL_PRECISION_BATCHES", "ints", "read_row", "read_rows", "read_single"]
 

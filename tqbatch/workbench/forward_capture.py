@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.testing.reference import to_numpy
+from tqbatch.testing.oracles.reference import to_numpy
 from tqbatch.workbench.cache_rows import read_row
 from tqbatch.workbench.kv_ledger import AttentionLog, KVLedger
 from tqbatch.workbench.request_oracle import RequestOracle

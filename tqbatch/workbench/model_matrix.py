@@ -74,7 +74,7 @@ from mlx_vlm.turboquant import DEFAULT_TURBOQUANT_SEED, TurboQuantKVCache
 from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatchTurboQuantKVCache
 
 from tqbatch import mlx_lm as tq_mlx_lm
-from tqbatch.testing.reference import to_numpy
+from tqbatch.testing.oracles.reference import to_numpy
 from tqbatch.workbench import lm_families, vlm_families
 from tqbatch.workbench.cache_rows import FULL_PRECISION_BATCHES
 from tqbatch.workbench.request_oracle import RequestChecks
@@ -177,7 +177,7 @@ def target_for(spec: str) -> Target:
         return Target("BatchKVCache", None)
     if spec == "mlx-vlm":
         return Target("mlx-vlm BatchTurboQuantKVCache", VlmBatchTurboQuantKVCache)
-    from tqbatch.testing.impl import load_impl
+    from tqbatch.testing.target import load_impl
 
     if spec == "tqbatch":
         from tqbatch import BatchTurboQuantKVCache
@@ -549,7 +549,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
             if scenario == "batch_generator":
                 from tqbatch.workbench import batch_generator_scenario
 
-                batch_generator_scenario.run(adapter, requests)
+                batch_generator_scenario.run(adapter, requests, bits=BITS, seed=SEED)
             else:
                 server = ContinuousBatcher(model, probe=False, observer=oracle, adapter=adapter)
                 _SCENARIO_RUNS[scenario](server, requests)

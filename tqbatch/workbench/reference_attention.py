@@ -12,9 +12,9 @@ import mlx.core as mx
 import mlx_vlm.models.base as vlm_base
 import numpy as np
 
-from tqbatch.testing.numpy_model import causal_mask
-from tqbatch.testing.reference import to_numpy
-from tqbatch.testing.tolerances import attention_tolerance
+from tqbatch.testing.oracles.numpy_model import causal_mask
+from tqbatch.testing.oracles.reference import to_numpy
+from tqbatch.testing.oracles.tolerances import attention_tolerance
 
 __all__ = ["attention_operands", "reference_attention"]
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from tqbatch.testing.judges import Judgement, judge, judge_tokens
-from tqbatch.testing.reference import TurboReferences
+from tqbatch.testing.oracles.judges import Judgement, judge, judge_tokens
+from tqbatch.testing.oracles.reference import TurboReferences
 from tqbatch.workbench.cache_rows import read_rows, read_single
 from tqbatch.workbench.reference_attention import attention_operands, reference_attention
 

@@ -42,7 +42,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch.cache import BatchableTurboQuantKVCache, BatchTurboQuantKVCache
-from tqbatch.testing.reference import to_numpy
+from tqbatch.testing.oracles.reference import to_numpy
 
 __all__ = [
     "BatchableTurboQuantKVCache",

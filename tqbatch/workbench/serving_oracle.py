@@ -19,13 +19,13 @@ This oracle isolates the cache instead. During every forward it captures
 and feeds each row's *real* input columns, as the server laid them out
 (``tqbatch.workbench.serving.ForwardLayout``, never the cache's own idea of its
 padding), to a single-request ``mlx_vlm.turboquant.TurboQuantKVCache`` per
-request and layer (``tqbatch.testing.reference.TurboReferences``): exactly
+request and layer (``tqbatch.testing.oracles.reference.TurboReferences``): exactly
 those float values, so reference and batch row must hold the same codes, or
 where float rounding lets a correct quantizer choose another code or float16
 norm (a coordinate on a codebook midpoint, seen on a GPU), the reference
-takes the cache's choice (``tqbatch.testing.rounding``) and later checks
+takes the cache's choice (``tqbatch.testing.oracles.rounding``) and later checks
 compare with it. Then it checks, with the rounding bounds of
-``tqbatch.testing.tolerances``:
+``tqbatch.testing.oracles.tolerances``:
 
 * attention: row ``b``'s output on its real query columns against mlx-vlm's
   ``scaled_dot_product_attention`` over the reference's dequantized tokens

@@ -1,0 +1,9 @@
+"""The search: Hypothesis drives the op vocabulary against a target to find failures.
+
+``stateful`` (the state machine), ``machine_observer`` (what it saw over a
+run), ``campaign`` (fuzz and survey: the engine behind ``tqbatch fuzz``),
+``minimize`` (op-level minimization after Hypothesis's shrink), ``shards`` (a
+campaign over processes), ``databases`` (example databases campaigns share),
+``profiles`` (Hypothesis settings profiles) and ``hypothesis_internals``
+(every use of Hypothesis's internals, in one module).
+"""

@@ -1,0 +1,155 @@
+"""Every use of Hypothesis's internals by the search, in one place.
+
+Hypothesis's public API does not let a campaign count test runs, bound
+shrinking by runs rather than seconds, key its examples in a database, or
+tell a shrunk example's final replay; so these reach into modules and
+attributes Hypothesis does not promise to keep. Each degrades gracefully
+(does nothing, or reports nothing) where the Hypothesis in use lacks what it
+reaches for. Nothing else of tqbatch imports ``hypothesis.internal`` or sets a
+``_hypothesis_internal`` attribute: when Hypothesis changes, this module is
+what to read.
+
+- ``RunClock`` and ``shrink_budget``: the engine's clock and shrinking bound
+  (``hypothesis.internal.conjecture.engine``);
+- ``observability`` and ``no_coverage_tracing``: its observability callbacks
+  and coverage flag (``hypothesis.internal.observability``);
+- ``run_machine``: a state machine's test under an explicit database key;
+- ``replaying_final``: whether the running example is the shrunk one's
+  final replay (``hypothesis.control``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+from hypothesis import settings
+from hypothesis.control import current_build_context, currently_in_test_context
+from hypothesis.reporting import current_reporter, with_reporter
+from hypothesis.stateful import get_state_machine_test
+
+__all__ = [
+    "RunClock",
+    "no_coverage_tracing",
+    "observability",
+    "replaying_final",
+    "run_machine",
+    "shrink_budget",
+]
+
+
+class RunClock:
+    """A clock that reads test runs, for Hypothesis's engine (see ``shrink_budget``).
+
+    The machine under test calls ``tick()`` once per test run.
+    """
+
+    def __init__(self):
+        self.runs = 0
+
+    def tick(self):
+        self.runs += 1
+
+    def perf_counter(self) -> float:
+        return float(self.runs)
+
+    monotonic = perf_counter
+
+    def __getattr__(self, name):  # anything else the engine reads of ``time``
+        return getattr(time, name)
+
+
+@contextlib.contextmanager
+def shrink_budget(runs: int | None, clock: RunClock) -> Iterator[None]:
+    """Bound Hypothesis's shrinking to ``runs`` test runs (None: its own bound, 300 s).
+
+    Hypothesis bounds shrinking in seconds (an engine constant read when
+    shrinking starts), so where it stops, and which failure it reports,
+    would depend on the machine's speed. Inside this context the engine's
+    clock is ``clock``, which counts runs, and the constant is ``runs``.
+    The engine's other timing rule (generate for at most 10 s after a first
+    bug, when several bugs are reported) becomes 10 runs.
+    """
+    try:  # engine internals: a module-level ``time`` and the constant
+        from hypothesis.internal.conjecture import engine
+    except ImportError:  # pragma: no cover - depends on the Hypothesis version
+        yield
+        return
+    saved_clock = getattr(engine, "time", None)
+    saved = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    if runs is None or saved is None or saved_clock is not time:
+        yield  # no bound asked for, or another Hypothesis: its own bound, in seconds
+        return
+    engine.time, engine.MAX_SHRINKING_SECONDS = clock, runs
+    previous = current_reporter()
+
+    def reporter(text):
+        # Hypothesis's note for its own deadline says "five minutes": not ours.
+        if not str(text).startswith("WARNING: Hypothesis has spent more than five minutes"):
+            previous(text)
+
+    try:
+        with with_reporter(reporter):
+            yield
+    finally:
+        engine.time, engine.MAX_SHRINKING_SECONDS = saved_clock, saved
+
+
+def observability():
+    """Hypothesis's (add, remove) of an observability callback; (None, None) without them."""
+    try:  # an internal module of Hypothesis: counts degrade gracefully without it
+        from hypothesis.internal.observability import (
+            add_observability_callback,
+            remove_observability_callback,
+        )
+    except ImportError:  # pragma: no cover - depends on the Hypothesis version
+        return None, None
+    return add_observability_callback, remove_observability_callback
+
+
+@contextlib.contextmanager
+def no_coverage_tracing():
+    """Hypothesis collects no line coverage while the campaign observes its runs.
+
+    With an observability callback registered, Hypothesis traces every line
+    of every test run for the observations' coverage field, which the
+    campaign never reads: on Python 3.11 a ``sys.settrace`` tracer that cost
+    a quarter to a third of a campaign's time (docs/search-speed.md).
+    Hypothesis reads the flag at each run and exposes it for this
+    (``OBSERVABILITY_COLLECT_COVERAGE``); its environment variable would
+    also write every observation to disk.
+    Tracing does not steer generation, so the examples drawn are the same.
+    """
+    try:
+        from hypothesis.internal import observability
+    except ImportError:  # pragma: no cover - depends on the Hypothesis version
+        yield
+        return
+    before = getattr(observability, "OBSERVABILITY_COLLECT_COVERAGE", None)
+    observability.OBSERVABILITY_COLLECT_COVERAGE = False
+    try:
+        yield
+    finally:
+        observability.OBSERVABILITY_COLLECT_COVERAGE = before
+
+
+def run_machine(machine: type, round_settings: settings, key: bytes) -> None:
+    """``run_state_machine_as_test(machine)``, saving examples under the database key ``key``.
+
+    Hypothesis would key them by a digest of the machine class (the same
+    ``Counting`` for every target, so every target's campaign would replay
+    every other's) and of its own state-machine runner's source, which
+    changes with its version, and of the class's source, which Python
+    versions read differently for a local class: a nightly and a pull
+    request on other versions would never share a find. An explicit key is
+    what Hypothesis's own ``find`` sets.
+    """
+    test = get_state_machine_test(machine, settings=round_settings)
+    test._hypothesis_internal_database_key = key
+    test()
+
+
+def replaying_final() -> bool:
+    """Whether Hypothesis is replaying its shrunk example (the final run of a failure)."""
+    return currently_in_test_context() and current_build_context().is_final
