@@ -70,6 +70,17 @@ def time_run(
         process.wait()
 
 
+def markdown_row(
+    name: str, first: float | None, line: str, end: float | None, code: int | None
+) -> str:
+    """One table row: seconds to the first report, what it reported, seconds to the run red."""
+    shown = "not found" if first is None else f"{first:.1f}"
+    red = "-" if end is None or code != 1 else f"{end:.1f}"
+    # "tqbatch survey: IDENTITY [level] found, ..." or "path::test[id] FAILED [ 8%]"
+    what = line.removeprefix("tqbatch survey: ").split(" [")[0].split(" FAILED")[0]
+    return f"| {name} | {shown} | `{what.split('::')[-1] or '-'}` | {red} |"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="mutant (or regression) names (default: all)")
@@ -95,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"no such target: {', '.join(unknown)}")
     rows = []
+    if args.markdown:
+        print("| target | first report (s) | reported as | run red (s) |")
+        print("|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         for name in names:
             first, line, end, code = time_run(
@@ -104,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                 known_failures=known,
             )
             rows.append((name, first, line, end, code))
-            if not args.markdown:
+            # Each row as it comes: a run cut short (a session's limit) keeps what it measured.
+            if args.markdown:
+                print(markdown_row(name, first, line, end, code), flush=True)
+            else:
                 shown = "not found" if first is None else f"{first:6.1f} s"
                 ended = "running" if end is None else f"exit {code} at {end:.1f} s"
                 print(f"{name:34s} {shown}  {ended}  {line[:90]}", flush=True)
@@ -117,14 +134,6 @@ def main(argv: list[str] | None = None) -> int:
         else ""
     )
     if args.markdown:
-        print("| target | first report (s) | reported as | run red (s) |")
-        print("|---|---|---|---|")
-        for name, first, line, end, code in rows:
-            shown = "not found" if first is None else f"{first:.1f}"
-            red = "-" if end is None or code != 1 else f"{end:.1f}"
-            # "tqbatch survey: IDENTITY [level] found, ..." or "path::test[id] FAILED [ 8%]"
-            what = line.removeprefix("tqbatch survey: ").split(" [")[0].split(" FAILED")[0]
-            print(f"| {name} | {shown} | `{what.split('::')[-1] or '-'}` | {red} |")
         print()
     print(summary)
     return 0 if len(found) == len(rows) else 1
