@@ -19,6 +19,10 @@ mutants and report them within seconds: a bug nobody has written a scenario
 for yet gets the survey only).
 
     python scripts/time_plugin_reports.py --only-state-machine --markdown
+
+``--compare BEFORE AFTER`` runs nothing: it sets two such markdown tables
+side by side, with whether each run went red within the goal (twice its
+first report or 60 s, whichever is larger).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import time
 from pathlib import Path
 
 LIMIT = 300.0  # seconds: a target not reported by then is "not found"
+RED_FLOOR = 60.0  # seconds: the goal is the run red within max(2 x first report, this)
 KNOWN_MLX_VLM = "mlx_vlm_0_7_10"  # the shipped list the mlx-vlm regressions run with
 
 
@@ -81,6 +86,60 @@ def markdown_row(
     return f"| {name} | {shown} | `{what.split('::')[-1] or '-'}` | {red} |"
 
 
+def read_table(path: str) -> dict[str, tuple[float | None, str, float | None]]:
+    """A ``--markdown`` table: target -> (first report, reported as, run red), None for "-"."""
+    rows = {}
+    for line in Path(path).read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or cells[0] in ("target", "---"):
+            continue
+        name, first, what, red = cells
+        rows[name] = (_seconds(first), what, _seconds(red))
+    return rows
+
+
+def _seconds(cell: str) -> float | None:
+    """A table cell's seconds; None for "-" or "not found"."""
+    try:
+        return float(cell)
+    except ValueError:
+        return None
+
+
+def _shown(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}"
+
+
+def red_in_time(first: float | None, red: float | None) -> bool:
+    return first is not None and red is not None and red <= max(2 * first, RED_FLOOR)
+
+
+def compare(before_path: str, after_path: str) -> None:
+    """Print the two tables side by side and how many runs went red within the goal."""
+    before, after = read_table(before_path), read_table(after_path)
+    print(
+        "| target | first report (s), before | after | run red (s), before | after "
+        f"| red within max(2x first, {RED_FLOOR:.0f} s) | reported as (after) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, (first, what, red) in after.items():
+        old_first, _, old_red = before.get(name, (None, "", None))
+        within = "yes" if red_in_time(first, red) else "no"
+        print(
+            f"| {name} | {_shown(old_first)} | {_shown(first)} | {_shown(old_red)} | {_shown(red)} "
+            f"| {within} | {what} |"
+        )
+    met = {
+        label: sum(red_in_time(f, r) for f, _, r in rows.values())
+        for label, rows in (("after", after), ("before", before))
+    }
+    print()
+    print(
+        f"Run red within the goal: {met['after']}/{len(after)} after; "
+        f"before {met['before']}/{len(before)}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="mutant (or regression) names (default: all)")
@@ -92,7 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         f"shipped list ({KNOWN_MLX_VLM}), instead of tqbatch's mutants",
     )
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("BEFORE", "AFTER"),
+        help="set two --markdown tables side by side (runs nothing)",
+    )
     args = parser.parse_args(argv)
+    if args.compare:
+        compare(*args.compare)
+        return 0
     if args.mlx_vlm_regressions:
         from tqbatch.testing.selfcheck import mlx_vlm_regressions as catalogue
 
