@@ -24,17 +24,7 @@ from tqbatch.testing.target import load_impl
 
 
 def outcome(result: campaign.CampaignResult) -> str:
-    return json.dumps(
-        {
-            "examples": result.examples,
-            "ops": result.op_counts,
-            "pairs": {str(k): v for k, v in result.pair_counts.items()},
-            "shrink_runs": result.shrink_runs,
-            "failures": [(f["identity"], f["ops"]) for f in result.failures],
-        },
-        sort_keys=True,
-        default=str,
-    )
+    return json.dumps(result.outcome(), sort_keys=True, default=str)
 
 
 def main(argv: list[str]) -> int:

@@ -67,8 +67,8 @@ def test_a_find_is_replayed_before_anything_is_generated():
     db = RecordingDatabase()
     # The ci profile is derandomized and database-free: the campaign overrides both.
     first = run_campaign(MUTANT, examples=5, profile="ci", seed=1, database=db)
-    assert [f["identity"] for f in first.failures] == ["size_type"]
-    assert first.replayed == 0 and not first.failures[0]["replayed"]
+    assert [f.identity for f in first.failures] == ["size_type"]
+    assert first.replayed == 0 and not first.failures[0].replayed
     # Saved under the campaign's key exactly: no version of anything in it.
     assert _primary(db.read) == {mutant_key := campaign_key(MUTANT)}
     assert list(db.fetch(mutant_key)), "the failure was not saved"
@@ -82,8 +82,8 @@ def test_a_find_is_replayed_before_anything_is_generated():
             database=db,
             replay_only=replay_only,
         )
-        assert [f["identity"] for f in again.failures] == ["size_type"]
-        assert again.failures[0]["replayed"], replay_only
+        assert [f.identity for f in again.failures] == ["size_type"]
+        assert again.failures[0].replayed, replay_only
         assert again.replayed >= 1 and again.examples == 0 and again.rounds == 1, again
 
     # Another target reads its own key: the mutant's find is not replayed.
@@ -99,14 +99,14 @@ def test_every_saved_failure_is_replayed_not_only_the_first():
     # machines' directories would: here a survey's, copied to the plain key.
     db = InMemoryExampleDatabase()
     survey = run_campaign(TwoBugs, examples=10, profile="ci", survey=True, database=db)
-    assert sorted(f["identity"] for f in survey.failures) == ["size", "size_type"]
+    assert sorted(f.identity for f in survey.failures) == ["size", "size_type"]
     db.data[campaign_key(TwoBugs)] = set(db.data[campaign_key(TwoBugs, survey=True)])
 
     # A plain campaign replays both (Hypothesis alone would stop at the first
     # that still fails, and this run would not save the other again).
     plain = run_campaign(TwoBugs, examples=5, profile="ci", seed=5, database=db)
-    assert sorted(f["identity"] for f in plain.failures) == ["size", "size_type"]
-    assert all(f["replayed"] for f in plain.failures) and plain.examples == 0
+    assert sorted(f.identity for f in plain.failures) == ["size", "size_type"]
+    assert all(f.replayed for f in plain.failures) and plain.examples == 0
 
 
 def test_a_read_only_find_that_still_fails_is_saved_again_locally(tmp_path):
@@ -117,7 +117,7 @@ def test_a_read_only_find_that_still_fails_is_saved_again_locally(tmp_path):
     local = DirectoryBasedExampleDatabase(tmp_path / "local")
     db = MultiplexedDatabase(local, ReadOnlyDatabase(artifact))
     result = run_campaign(MUTANT, profile="ci", seed=1, database=db, replay_only=True)
-    assert [(f["identity"], f["replayed"]) for f in result.failures] == [("size_type", True)]
+    assert [(f.identity, f.replayed) for f in result.failures] == [("size_type", True)]
     assert list(local.fetch(campaign_key(MUTANT)))
 
 

@@ -20,7 +20,7 @@ MUTANT = MUTANTS["FilterKeepsOneDeadColumn"]
 
 
 def _report(result):
-    return [(f["identity"], f["ops"]) for f in result.failures]
+    return [(f.identity, f.ops) for f in result.failures]
 
 
 def test_hypothesis_shrinks_for_at_most_the_budgeted_runs():

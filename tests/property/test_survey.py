@@ -15,6 +15,7 @@ import pytest
 import tqbatch
 from tqbatch import _packed
 from tqbatch.testing.contract.checks import CheckFailure, ToleratedDivergence
+from tqbatch.testing.contract.failure import Failure
 from tqbatch.testing.mutants import (
     ExtractDropsLastToken,
     FilterWithoutCompaction,
@@ -69,10 +70,10 @@ def two_bugs():
 
 
 def test_survey_lists_both_bugs_under_their_checks(two_bugs):
-    checks = {f["check"] for f in two_bugs.failures}
-    assert {"left_padding", "extract_length"} <= checks, [f["identity"] for f in two_bugs.failures]
+    checks = {f.check for f in two_bugs.failures}
+    assert {"left_padding", "extract_length"} <= checks, [f.identity for f in two_bugs.failures]
     assert not conforms(two_bugs)
-    identities = [f["identity"] for f in two_bugs.failures]
+    identities = [f.identity for f in two_bugs.failures]
     assert len(identities) == len(set(identities))
     # Honest counts: examples are generated ones, shrinking is counted apart.
     assert two_bugs.examples >= 40 and two_bugs.shrink_runs > 0
@@ -81,24 +82,24 @@ def test_survey_lists_both_bugs_under_their_checks(two_bugs):
 def test_each_saved_failure_replays_its_own_check(two_bugs, tmp_path):
     for failure in two_bugs.failures:
         path = write_failure(
-            failure["ops"],
-            failure["config"],
+            failure.ops,
+            failure.config,
             tmp_path,
-            error=failure["message"],
+            error=failure.message,
             options={"impl": "test:FilterAndExtractBugs"},
-            identity=failure["identity"],
-            tolerated=failure["tolerated"],
+            identity=failure.identity,
+            tolerated=failure.tolerated,
         )
         result = replay(path, FilterAndExtractBugs, use_recording=False)
-        assert result.divergences, failure["identity"]
-        assert result.divergences[0].quantity == failure["check"], result.summary()
+        assert result.divergences, failure.identity
+        assert result.divergences[0].quantity == failure.check, result.summary()
         assert replay(path, use_recording=False).ok  # the correct cache passes the same ops
 
 
 def test_another_error_policy_is_reported_as_policy():
     result = _survey(TypeErrorPolicy, examples=60)
-    assert [f["identity"] for f in result.failures] == ["error_type@filter-repeated"]
-    assert result.failures[0]["level"] == "policy"
+    assert [f.identity for f in result.failures] == ["error_type@filter-repeated"]
+    assert result.failures[0].level == "policy"
     assert conforms(result)
 
 
@@ -116,13 +117,13 @@ def test_shards_keep_every_failure_and_the_shortest_repro():
     def shard(*failures):
         return CampaignResult(
             examples=3,
-            failures=[{"identity": i, "ops": [{}] * n, "message": i} for i, n in failures],
+            failures=[Failure(identity=i, ops=[{}] * n, message=i) for i, n in failures],
         )
 
     total = CampaignResult()
     total.absorb(shard(("a@filter", 5), ("b", 2)))
     total.absorb(shard(("a@filter", 3), ("c@trim", 4)))
-    assert [(f["identity"], len(f["ops"])) for f in total.failures] == [
+    assert [(f.identity, len(f.ops)) for f in total.failures] == [
         ("a@filter", 3),
         ("b", 2),
         ("c@trim", 4),
@@ -161,21 +162,21 @@ def test_two_bugs_of_one_op_each_get_their_own_repro(tmp_path):
     # The aliasing shows only where the offset fails too, which ends the example
     # (it has diverged): it is found among the other checks of that op.
     result = _survey(RoundtripFastPathBugs, examples=5)
-    by_identity = {f["identity"]: f for f in result.failures}
+    by_identity = {f.identity: f for f in result.failures}
     assert {"offset@roundtrip", "content@roundtrip"} <= set(by_identity), list(by_identity)
-    assert "offset@roundtrip" in by_identity["content@roundtrip"]["tolerated"]
+    assert "offset@roundtrip" in by_identity["content@roundtrip"].tolerated
     for identity in ("offset@roundtrip", "content@roundtrip"):
         failure = by_identity[identity]
         path = write_failure(
-            failure["ops"],
-            failure["config"],
+            failure.ops,
+            failure.config,
             tmp_path / identity.replace("@", "-"),
-            error=failure["message"],
+            error=failure.message,
             identity=identity,
-            tolerated=failure["tolerated"],
+            tolerated=failure.tolerated,
         )
         replayed = replay(path, RoundtripFastPathBugs, use_recording=False)
-        assert replayed.divergences[0].quantity == failure["check"], replayed.summary()
+        assert replayed.divergences[0].quantity == failure.check, replayed.summary()
 
 
 def test_pending_padding_as_batchkvcache_conforms_with_policy_differences():
@@ -185,9 +186,9 @@ def test_pending_padding_as_batchkvcache_conforms_with_policy_differences():
     # for any draw: no contract failure, and every difference one of the two
     # policies. test_checks.py drives both situations explicitly.
     result = _survey(PendingPaddingAsBatchKVCache, examples=20)
-    assert conforms(result), [(f["identity"], f["level"]) for f in result.failures]
-    assert {f["identity"] for f in result.failures} <= {
+    assert conforms(result), [(f.identity, f.level) for f in result.failures]
+    assert {f.identity for f in result.failures} <= {
         "extract_pending@extract",
         "roundtrip_pending@roundtrip",
     }
-    assert all(f["level"] == "policy" for f in result.failures)
+    assert all(f.level == "policy" for f in result.failures)

@@ -42,7 +42,6 @@ from tqbatch import BatchTurboQuantKVCache
 from tqbatch.testing.oracles.generation import POISON
 from tqbatch.testing.oracles.numpy_model import causal_mask
 from tqbatch.testing.oracles.tolerances import attention_tolerance, content_tolerance
-from tqbatch.testing.search.machine_observer import failure_key
 from tqbatch.testing.target import load_impl
 
 # The class under test: tqbatch's own unless $TQBATCH_IMPL / --impl names
@@ -456,5 +455,5 @@ def campaign_summary(result) -> tuple:
     return (
         result.examples,
         dict(result.op_counts),
-        sorted((failure_key(f), len(f["ops"])) for f in result.failures),
+        sorted((f.key, len(f.ops)) for f in result.failures),
     )

@@ -11,11 +11,6 @@ from tqbatch.testing.mutants import MUTANTS
 from tqbatch.testing.search import campaign, hypothesis_internals
 
 
-def _outcome(result: campaign.CampaignResult) -> tuple:
-    failures = [(f["identity"], f["ops"]) for f in result.failures]
-    return result.examples, result.op_counts, result.pair_counts, failures
-
-
 def test_no_coverage_is_collected_while_a_campaign_runs_and_the_flag_is_restored():
     before = observability.OBSERVABILITY_COLLECT_COVERAGE
     seen = []
@@ -38,5 +33,5 @@ def test_tracing_does_not_change_what_a_campaign_draws_or_finds(monkeypatch):
         with monkeypatch.context() as patched:
             patched.setattr(hypothesis_internals, "no_coverage_tracing", contextlib.nullcontext)
             on = campaign.run_campaign(impl, examples=4, profile="ci", survey=survey)
-        assert _outcome(on) == _outcome(off), impl.__name__
+        assert on.outcome() == off.outcome(), impl.__name__
     assert off.failures  # the mutant's failure was found both ways

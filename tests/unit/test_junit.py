@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
+from tqbatch.testing.contract.failure import Failure
 from tqbatch.testing.gate.junit import write_junit
 from tqbatch.testing.search.campaign import CampaignResult
 
@@ -11,19 +12,17 @@ TARGET = "tqbatch.testing.mutants:SizeAsArray"
 
 
 def _failure(identity, level, *, replayed=False, ops=2):
-    return {
-        "impl": TARGET,
-        "config": {},
-        "ops": [{"op": "new", "left_padding": [0]}] * ops,
-        "message": f"[{identity or 'harness'}] first line\nsecond line",
-        "identity": identity,
-        "check": identity.split("@")[0],
-        "level": level,
-        "what": f"what {identity} found",
-        "final": True,
-        "tolerated": [],
-        "replayed": replayed,
-    }
+    return Failure(
+        impl=TARGET,
+        ops=[{"op": "new", "left_padding": [0]}] * ops,
+        message=f"[{identity or 'harness'}] first line\nsecond line",
+        identity=identity,
+        check=identity.split("@")[0],
+        level=level,
+        what=f"what {identity} found",
+        final=True,
+        replayed=replayed,
+    )
 
 
 def _read(path):

@@ -61,7 +61,7 @@ def test_policy_differences_and_listed_failures_do_not_stop_it():
     )
     assert not result.quiet_stop and result.examples == 15
     assert not contract_identities(result), result.failures
-    assert result.listed_seen and {f["identity"] for f in result.listed_seen} <= set(listed)
+    assert result.listed_seen and {f.identity for f in result.listed_seen} <= set(listed)
 
 
 def test_an_example_goes_on_with_a_fresh_cache_after_a_listed_crash():

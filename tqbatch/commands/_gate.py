@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqbatch.testing.contract.failure import Failure
 from tqbatch.testing.gate.known_failures import (
     KnownFailures,
     KnownFailuresError,
@@ -21,7 +22,6 @@ from tqbatch.testing.gate.known_failures import (
     format_known_failures,
     shipped,
 )
-from tqbatch.testing.search.machine_observer import failure_key
 
 
 def add_known_failures_arguments(parser, *, per_target: bool) -> None:
@@ -82,8 +82,8 @@ class Verdict:
     name: str  # as the command line named it
     impl: str  # module:Class
     examples: int
-    contract: list = field(default_factory=list)  # failure dicts (contract and harness)
-    policy: list = field(default_factory=list)
+    contract: list[Failure] = field(default_factory=list)  # contract and harness failures
+    policy: list[Failure] = field(default_factory=list)
     paths: dict = field(default_factory=dict)  # failure key -> saved scenario
     triage: Triage = field(default_factory=Triage)
     failing: list = field(default_factory=list)  # identities that fail the run
@@ -118,17 +118,17 @@ class Verdict:
             },
         }
 
-    def _failure(self, failure: dict) -> dict:
-        path = self.paths.get(failure_key(failure))
+    def _failure(self, failure: Failure) -> dict:
+        path = self.paths.get(failure.key)
         return {
-            "identity": failure.get("identity") or None,
-            "check": failure.get("check") or None,
-            "level": failure.get("level"),
-            "what": first_line(failure.get("what") or failure.get("message")),
-            "message": failure.get("message", ""),
+            "identity": failure.identity or None,
+            "check": failure.check or None,
+            "level": failure.level,
+            "what": failure.summary,
+            "message": failure.message,
             "scenario": str(path) if path else None,
-            "ops": failure.get("ops", []),
-            "config": failure.get("config", {}),
+            "ops": failure.ops or [],
+            "config": failure.config,
         }
 
     def report_lines(self, strict: bool = False) -> list[str]:
@@ -160,17 +160,17 @@ def verdict_of(name, impl, result, known: KnownFailures, files=(), paths=()) -> 
     from tqbatch.testing.target import impl_spec, missing_capabilities, unsupported_configurations
 
     spec = impl_spec(impl)
-    contract = [f for f in result.failures if f.get("level") != "policy"]
-    policy = [f for f in result.failures if f.get("level") == "policy"]
-    triage = known.triage(failure_key(f) for f in result.failures)
-    gated = {failure_key(f) for f in contract}
+    contract = [f for f in result.failures if f.level != "policy"]
+    policy = [f for f in result.failures if f.level == "policy"]
+    triage = known.triage(f.key for f in result.failures)
+    gated = {f.key for f in contract}
     return Verdict(
         name=name,
         impl=spec,
         examples=result.examples,
         contract=contract,
         policy=policy,
-        paths={failure_key(f): p for f, p in zip(result.failures, paths) if p},
+        paths={f.key: p for f, p in zip(result.failures, paths) if p},
         triage=triage,
         failing=[i for i in triage.new if i in gated],
         known_failures=[str(f) for f in files],
@@ -195,9 +195,9 @@ def write_known_failures(path, verdict: Verdict, command: str) -> int:
         "failure is known (an upstream issue, a decision). Format: IDENTITY  # REASON.",
     ]
     pairs = [
-        (failure_key(f), "unreviewed: " + (first_line(f.get("what") or f.get("message")) or "-"))
+        (f.key, "unreviewed: " + (f.summary or "-"))
         for f in verdict.contract
-        if f.get("identity")  # a harness failure has no identity to list
+        if f.identity  # a harness failure has no identity to list
     ]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -215,10 +215,6 @@ def _version_of(cls: type) -> str:
         return f" ({dists[0]} {metadata.version(dists[0])})" if dists else ""
     except Exception:  # noqa: BLE001 - a version is a courtesy of the header
         return ""
-
-
-def first_line(text) -> str:
-    return (str(text or "").splitlines() or [""])[0]
 
 
 def dumps(data) -> str:

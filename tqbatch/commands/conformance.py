@@ -37,7 +37,6 @@ from pathlib import Path
 from tqbatch.commands import console as make_console
 from tqbatch.commands import step_summary
 from tqbatch.exitcodes import ExitCode
-from tqbatch.testing.search.machine_observer import failure_key
 from tqbatch.testing.target import ALIASES, resolve_alias
 
 
@@ -260,8 +259,8 @@ def _markdown(verdicts, args) -> str:
         "|---|---|---|---|",
     ]
     for v in verdicts:
-        contract = [failure_key(f) for f in v.contract]
-        policy = [failure_key(f) for f in v.policy]
+        contract = [f.key for f in v.contract]
+        policy = [f.key for f in v.policy]
         lines.append(
             f"| `{_short(v.name)}` | {'yes' if v.conforms else 'no'} "
             f"| {_cell(contract)} | {_cell(policy)} |"
@@ -290,8 +289,8 @@ def _cell(identities: list[str]) -> str:
 
 
 def _line(verdict, strict: bool) -> str:
-    contract = [failure_key(f) for f in verdict.contract]
-    policy = [failure_key(f) for f in verdict.policy]
+    contract = [f.key for f in verdict.contract]
+    policy = [f.key for f in verdict.policy]
     verdict_text = "conforms" if verdict.conforms else "does not conform"
     text = (
         f"{verdict.name}: {verdict_text} ({verdict.examples} examples); "

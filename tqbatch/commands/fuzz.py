@@ -243,8 +243,8 @@ def run(args) -> int:
     elif result.failure:
         from tqbatch.testing.world import format_ops
 
-        console.print(f"[red]FAILED[/red]: {escape(result.failure['message'])}")
-        console.print("shrunk op sequence:\n" + format_ops(result.failure["ops"]))
+        console.print(f"[red]FAILED[/red]: {escape(result.failure.message)}")
+        console.print("shrunk op sequence:\n" + format_ops(result.failure.ops or []))
     for path in paths:
         if path is not None:
             console.print(f"saved as a scenario: {path}  (reproduce: tqbatch replay {path})")
@@ -308,7 +308,7 @@ def _print_summary(result, target, backend, missing, database=None, configuratio
         )
     table.add_row("failures", str(len(result.failures)))
     if database:
-        found = sum(1 for f in result.failures if f.get("replayed"))
+        found = sum(1 for f in result.failures if f.replayed)
         table.add_row("  found while replaying", str(found))
     table.add_row("skipped (unsupported)", ", ".join(missing) or "-")
     table.add_row("configurations not drawn (unsupported)", ", ".join(configurations) or "-")
@@ -328,10 +328,10 @@ def _print_survey(result, paths) -> None:
         table.add_column(column)
     for failure, path in zip(result.failures, paths):
         table.add_row(
-            escape(failure.get("identity") or "(harness)"),
-            failure["level"],
-            str(len(failure["ops"])),
-            escape((failure.get("what") or failure["message"]).splitlines()[0][:160]),
+            escape(failure.identity or "(harness)"),
+            failure.level,
+            str(len(failure.ops or ())),
+            escape(failure.summary[:160]),
             escape(str(path or "-")),
         )
     make_console().print(table)
@@ -376,10 +376,9 @@ def _markdown(result, target, backend, paths, database, code, verdict=None) -> s
             "|---|---|---|---|---|",
         ]
         for failure, path in zip(result.failures, paths):
-            what = (failure.get("what") or failure["message"]).splitlines()[0][:160]
             lines.append(
-                f"| `{md_cell(failure.get('identity') or '(harness)')}` | {failure['level']} "
-                f"| {len(failure['ops'])} | {md_cell(what)} "
+                f"| `{md_cell(failure.identity or '(harness)')}` | {failure.level} "
+                f"| {len(failure.ops or ())} | {md_cell(failure.summary[:160])} "
                 f"| {f'`{md_cell(path)}`' if path else '-'} |"
             )
     return "\n".join(lines)

@@ -24,8 +24,8 @@ Against the cache under test, one module each:
 
 They run in that order (the plugin sorts them), the fast, deterministic
 ones first, so that a broken cache fails within seconds. What they share
-(the session's ``Harness``, the ``Found`` records, the verdict) is
-``tqbatch.testing.gate.session``.
+(the session's ``Harness``, the verdict) is ``tqbatch.testing.gate.session``;
+what each found is a ``tqbatch.testing.contract.failure.Failure``.
 
 Each failure a test finds has an identity (``check@op``,
 ``tqbatch.testing.contract.checks``). One listed in the known failures makes

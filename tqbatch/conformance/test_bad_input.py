@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tqbatch.testing.contract.failure import Failure
 from tqbatch.testing.contract.ops import BAD_INPUT_ERRORS
-from tqbatch.testing.gate.session import BY_CASE, Found, conclude, failing, options, repro, spec
+from tqbatch.testing.gate.session import BY_CASE, conclude, failing, options, repro, spec
 
 # The cases in the catalogue's order: test ids that do not depend on the target.
 CASES = list(BAD_INPUT_ERRORS)
@@ -67,7 +68,7 @@ def test_bad_input(case, tqbatch_harness, request):
     if not failures and case not in cases:
         missing = sorted(name for name, ok in caps.items() if not ok)
         pytest.skip(f"{spec(state)} lacks what {case} needs (it lacks {', '.join(missing)})")
-    found = [Found(f.identity, f.level, f.what, len(world.ops)) for f in failures]
+    found = [Failure.of(f, ops=list(world.ops)) for f in failures]
     if raised and failing(state, found):
         from tqbatch.testing.replay.scenario import write_failure
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tqbatch.testing.gate.session import FOUND, Found, conclude, repro
+from tqbatch.testing.contract.failure import Failure
+from tqbatch.testing.gate.session import FOUND, conclude, repro
 from tqbatch.testing.replay import golden
 
 SCENARIOS = golden.paths()
@@ -60,5 +61,11 @@ def test_golden(scenario_path: Path, tqbatch_harness, request):
         if cause[0] in state.listed and plain.divergences[0].step <= first.step:
             first, (identity, level) = plain.divergences[0], cause
     what = f"{first}{built}"
-    found = Found(identity, level, what, len(scenario.ops), repro(state, scenario_path))
+    found = Failure(
+        identity=identity,
+        level=level,
+        what=what,
+        ops=list(scenario.ops),
+        repro=repro(state, scenario_path),
+    )
     conclude(request, state, [found], note=built)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tqbatch.testing.contract.failure import Failure
 from tqbatch.testing.gate import plugin
-from tqbatch.testing.gate.session import Found, conclude, spec
+from tqbatch.testing.gate.session import conclude, spec
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -44,4 +45,5 @@ def test_model_family(model_cell, tqbatch_harness, request):
             f"{model_matrix.BASELINE} does not pass here either ({baseline.short()}): the "
             f"limitation is below the cache; {cell.short()}"
         )
-    conclude(request, state, [Found("", "contract", f"{family} / {scenario}: {cell.short()}")])
+    found = Failure(level="contract", what=f"{family} / {scenario}: {cell.short()}")
+    conclude(request, state, [found])

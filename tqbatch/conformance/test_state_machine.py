@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tqbatch.testing.gate.session import BY_OP, Found, conclude, failing, options, repro
+from tqbatch.testing.gate.session import BY_OP, conclude, failing, options, repro
 
 
 class _Live:
@@ -24,11 +24,9 @@ class _Live:
         self.started = False
 
     def __call__(self, result) -> None:
-        from tqbatch.testing.search.machine_observer import failure_key
-
         # By identity: the processes' failures come in process order, not in the order found.
-        new = [f for f in result.failures if failure_key(f) not in self.shown]
-        self.shown.update(failure_key(f) for f in new)
+        new = [f for f in result.failures if f.key not in self.shown]
+        self.shown.update(f.key for f in new)
         if not new or self.reporter is None or self.capture is None:
             return
         seconds = time.monotonic() - self.start
@@ -38,8 +36,8 @@ class _Live:
                 self.started = True
             for f in new:
                 self.reporter.write_line(
-                    f"tqbatch survey: {f.get('identity') or '(harness)'} [{f['level']}] found, "
-                    f"shrunk to {len(f['ops'])} ops, {seconds:.0f} s in"
+                    f"tqbatch survey: {f.identity or '(harness)'} [{f.level}] found, "
+                    f"shrunk to {len(f.ops or ())} ops, {seconds:.0f} s in"
                 )
 
 
@@ -90,19 +88,14 @@ def test_state_machine(tqbatch_harness, request):
         )
     live(result)
     request.node.user_properties.append(("tqbatch_examples", result.examples))
-    found = [
-        Found(f.get("identity") or "", f["level"], f.get("what") or f["message"], len(f["ops"]))
-        for f in result.failures
-    ]
-    found += [Found(f["identity"], f["level"], f["what"]) for f in result.listed_seen]
+    found = [*result.failures, *result.listed_seen]
     new = failing(state, found)
     if new:
-        keep = [f for f, mine in zip(result.failures, found) if any(mine is n for n in new)]
         saved = options(
             request, state, examples=examples, profile=state.profile, seed=state.seed, survey=True
         )
-        paths = save_failures(CampaignResult(failures=keep), state.failures_dir, options=saved)
-        for mine, path in zip(new, paths):
+        paths = save_failures(CampaignResult(failures=new), state.failures_dir, options=saved)
+        for failure, path in zip(new, paths):
             if path is not None:
-                mine.repro = repro(state, path)
+                failure.repro = repro(state, path)
     conclude(request, state, found)

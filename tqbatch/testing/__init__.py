@@ -19,6 +19,10 @@ identity
     What a failure is told apart and listed by: ``check@op`` (or
     ``check@case`` for a bad input), or the check alone where it is a
     standing property of the cache.
+failure
+    One record (``contract/failure``) from the check that raised it to the
+    JSON a run saves: identity, level, what failed, and the configuration
+    and ops that replay it.
 oracle
     What the target is compared with: mlx-lm's ``BatchKVCache`` in full
     precision, a single-request ``TurboQuantKVCache`` per request, a numpy

@@ -75,32 +75,29 @@ def campaign_junit(
             suite,
             "testcase",
             classname=classname,
-            name=failure.get("identity") or "(harness)",
+            name=failure.identity or "(harness)",
             time="0",
         )
         case_props = ET.SubElement(case, "properties")
         for key, value in (
-            ("level", failure.get("level", "")),
-            ("replayed", bool(failure.get("replayed"))),
-            ("ops", len(failure.get("ops", []))),
+            ("level", failure.level),
+            ("replayed", failure.replayed),
+            ("ops", len(failure.ops or ())),
             ("scenario", path or ""),
         ):
             ET.SubElement(case_props, "property", name=key, value=_text(value))
-        message = failure.get("message", "")
-        headline = (failure.get("what") or message or "failed").splitlines()[0]
-        body = message
+        headline = failure.summary or "failed"
+        body = failure.message
         if path:
             body += f"\n\nscenario: {path}\nreproduce: tqbatch replay {path}"
-        if failure.get("level") == "policy":
+        if failure.level == "policy":
             ET.SubElement(case, "system-out").text = f"policy difference: {body}"
-        elif not failure.get("identity"):
+        elif not failure.identity:
             tally["errors"] += 1
             ET.SubElement(case, "error", message=headline, type="harness").text = body
         else:
             tally["failures"] += 1
-            ET.SubElement(
-                case, "failure", message=headline, type=failure.get("level") or "contract"
-            ).text = body
+            ET.SubElement(case, "failure", message=headline, type=failure.level).text = body
     if not result.failures:
         tally["tests"] += 1
         case = ET.SubElement(

@@ -3,7 +3,8 @@ each test turns what it found into its verdict.
 
 The plugin (``tqbatch.testing.gate.plugin``) builds the session's ``Harness``
 from its options and hands it to the tests (fixture ``tqbatch_harness``);
-each test reports what it found as ``Found`` records and ends with
+each test reports what it found as ``Failure`` records
+(``tqbatch.testing.contract.failure``) and ends with
 ``conclude``: it fails on a failure not in the known failures, is an expected
 failure (xfail) where everything found is listed or a policy difference, and
 passes where nothing was found. Which listed failures a test is expected to
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tqbatch.testing.contract.failure import Failure
+
 __all__ = [
     "BY_CASE",
     "BY_OP",
@@ -26,7 +29,6 @@ __all__ = [
     "EXPECTS",
     "FOUND",
     "MODULES",
-    "Found",
     "Harness",
     "expected_failures",
     "failing",
@@ -84,23 +86,6 @@ class Harness:
             return str(path)
 
 
-@dataclass
-class Found:
-    """One failure a test found: its identity ("" where it has none), level and what failed."""
-
-    identity: str
-    level: str
-    what: str
-    ops: int | None = None
-    repro: str | None = None  # the command that reproduces it
-
-    def line(self) -> str:
-        ops = f", {self.ops} ops" if self.ops is not None else ""
-        head = f"{self.identity or '(no identity)'} [{self.level}{ops}]: "
-        text = head + (self.what.splitlines()[0] if self.what else "")
-        return text + (f"\n    reproduce: {self.repro}" if self.repro else "")
-
-
 def expected_failures(item: pytest.Item, listed) -> list[str]:
     """The listed identities ``item`` is expected to show (the plugin marks it xfail for them),
     as its ``tqbatch_expects`` marker declares; none for a test without one (a golden
@@ -145,16 +130,16 @@ def options(request, state: Harness, **extra) -> dict:
     }
 
 
-def _listed(state: Harness, found: Found) -> bool:
+def _listed(state: Harness, found: Failure) -> bool:
     return bool(found.identity) and found.identity in state.listed
 
 
-def failing(state: Harness, found: list[Found]) -> list[Found]:
+def failing(state: Harness, found: list[Failure]) -> list[Failure]:
     """What fails a test: failures not listed, but for policy differences."""
     return [f for f in found if not _listed(state, f) and f.level != "policy"]
 
 
-def conclude(request, state: Harness, found: list[Found], note: str = "") -> None:
+def conclude(request, state: Harness, found: list[Failure], note: str = "") -> None:
     """Fail on what is new; xfail where everything found is listed or a policy difference.
 
     ``note`` ends the xfail reason (a golden test's construction of its batches).

@@ -66,18 +66,18 @@ import time
 import unittest
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Unsatisfiable
 
-from tqbatch.testing.contract.checks import HARNESS
+from tqbatch.testing.contract.failure import Failure
 from tqbatch.testing.contract.ops import CHECKS
 from tqbatch.testing.search import hypothesis_internals
 from tqbatch.testing.search.hypothesis_internals import RunClock, shrink_budget
-from tqbatch.testing.search.machine_observer import MachineObserver, failure_key
+from tqbatch.testing.search.machine_observer import MachineObserver
 from tqbatch.testing.search.minimize import minimize
 from tqbatch.testing.search.profiles import register_profiles
 from tqbatch.testing.search.stateful import UnsupportedOpsWarning, machine_for
@@ -112,12 +112,11 @@ MINIMIZE_REPLAYS = 100
 class CampaignResult:
     """What a campaign found and what it ran.
 
-    ``failures``: dicts of ``tqbatch.testing.search.machine_observer.Failure`` (identity,
-    check, level, ops, config, message, ...), one per identity, in the order
-    found; ``tolerated`` the identities tolerated when each was found is in
-    its ``tolerated`` key, and its ``replayed`` key says whether it was found
-    while replaying the example database. ``replayed``: test runs of saved
-    examples replayed from the database (not counted in ``examples``).
+    ``failures``: ``tqbatch.testing.contract.failure.Failure`` records, one
+    per identity, in the order found, each with the identities tolerated
+    when it was found and whether it was found replaying the example
+    database. ``replayed``: test runs of saved examples replayed from the
+    database (not counted in ``examples``).
     ``shards``: per-shard summaries of a ``--workers`` campaign.
     """
 
@@ -128,19 +127,19 @@ class CampaignResult:
     # Tokens whose reference took the target's other rounding choice of a
     # code or norm (tqbatch.testing.oracles.rounding), over generated examples.
     rounding_admitted: int = 0
-    failures: list = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
     seconds: float = 0.0
     rounds: int = 0
     exhausted: bool = False  # every example ended in a known failure: nothing more to find
     shards: list = field(default_factory=list)
     replayed: int = 0
     # Listed identities (``run_campaign(listed=...)``) seen failing, tolerated:
-    # dicts of identity, level and what failed, in the order first seen.
-    listed_seen: list = field(default_factory=list)
+    # records of identity, level and what failed, in the order first seen.
+    listed_seen: list[Failure] = field(default_factory=list)
     quiet_stop: bool = False  # stopped for quiet after its last find (``quiet_rounds``)
 
     @property
-    def failure(self) -> dict | None:
+    def failure(self) -> Failure | None:
         """The first failure (a plain campaign has at most one, or one per saved failure it
         replayed)."""
         return self.failures[0] if self.failures else None
@@ -156,19 +155,30 @@ class CampaignResult:
             self.op_counts[name] = self.op_counts.get(name, 0) + n
         for pair, n in other.pair_counts.items():
             self.pair_counts[pair] = self.pair_counts.get(pair, 0) + n
-        by_identity = {failure_key(f): i for i, f in enumerate(self.failures)}
+        by_key = {f.key: i for i, f in enumerate(self.failures)}
         for failure in other.failures:
-            i = by_identity.get(failure_key(failure))
+            i = by_key.get(failure.key)
             if i is None:
-                by_identity[failure_key(failure)] = len(self.failures)
+                by_key[failure.key] = len(self.failures)
                 self.failures.append(failure)
-            elif len(failure["ops"]) < len(self.failures[i]["ops"]):
+            elif len(failure.ops or ()) < len(self.failures[i].ops or ()):
                 self.failures[i] = failure
-        seen = {f["identity"] for f in self.listed_seen}
-        self.listed_seen += [f for f in other.listed_seen if f["identity"] not in seen]
+        seen = {f.identity for f in self.listed_seen}
+        self.listed_seen += [f for f in other.listed_seen if f.identity not in seen]
         self.seconds = max(self.seconds, other.seconds)
         self.exhausted = self.exhausted or other.exhausted
         self.quiet_stop = self.quiet_stop or other.quiet_stop
+
+    def outcome(self) -> dict:
+        """What a rerun of the same campaign must reproduce, whatever its speed: examples,
+        op and op-pair counts, shrink runs, and each failure with its shrunk ops."""
+        return {
+            "examples": self.examples,
+            "ops": dict(self.op_counts),
+            "pairs": {" > ".join(k): v for k, v in self.pair_counts.items()},
+            "shrink_runs": self.shrink_runs,
+            "failures": [(f.key, f.ops) for f in self.failures],
+        }
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -179,12 +189,14 @@ class CampaignResult:
     def from_json(cls, data: dict) -> CampaignResult:
         data = dict(data)
         data["pair_counts"] = {tuple(k.split(" > ")): v for k, v in data["pair_counts"].items()}
+        for name in ("failures", "listed_seen"):
+            data[name] = [Failure.from_json(f) for f in data[name]]
         return cls(**data)
 
 
 def conforms(result: CampaignResult) -> bool:
     """No failure of the contract (or of the harness); policy differences allowed."""
-    return all(f.get("level") == "policy" for f in result.failures)
+    return all(f.level == "policy" for f in result.failures)
 
 
 class _Counter:
@@ -329,7 +341,7 @@ def run_campaign(
     def failed_replay():
         failure = observer.last_failure  # recorded by the run that just failed
         if failure is not None:
-            replayed_failures.add(failure.identity or failure.message)
+            replayed_failures.add(failure.key)
 
     counter.on_failed_replay = failed_replay
     add, remove = hypothesis_internals.observability()
@@ -407,19 +419,18 @@ def run_campaign(
             except Exception as exc:  # noqa: BLE001 - whatever the run raised is reported
                 found = _found(observer, exc, sorted(set(known) | listed))
                 # As Hypothesis shrank them: where the checks of "also" failed too.
-                shrunk = [list(failure["ops"]) for failure in found]
+                shrunk = [list(failure.ops) for failure in found]
+                found = [_minimized(impl, failure, contract_checks) for failure in found]
                 for failure in found:
-                    _minimize(impl, failure, contract_checks)
-                for failure in found:
-                    failure["replayed"] = failure_key(failure) in replayed_failures
-                    known[failure_key(failure)] = failure
+                    failure.replayed = failure.key in replayed_failures
+                    known[failure.key] = failure
                     result.failures.append(failure)
                 for failure, ops in zip(found, shrunk) if survey else ():
                     for other in _also_found(impl, failure, ops, known, contract_checks):
-                        known[failure_key(other)] = other
+                        known[other.key] = other
                         result.failures.append(other)
                 Counting.avoid_cases = frozenset(_diverging_cases(set(known) | listed))
-                crashed = any(not f["identity"] for f in found)
+                crashed = any(not f.identity for f in found)
                 if not survey or crashed or not found:
                     round_done(was_replaying)
                     break  # plain: the first failure; survey: the harness itself failed
@@ -434,9 +445,7 @@ def run_campaign(
 
 def contract_identities(result: CampaignResult) -> frozenset:
     """The identities of ``result``'s contract failures (policy differences left out)."""
-    return frozenset(
-        f["identity"] for f in result.failures if f.get("identity") and f["level"] != "policy"
-    )
+    return frozenset(f.identity for f in result.failures if f.identity and f.level != "policy")
 
 
 def quiet_stop_round(found_after: list, quiet_rounds: int | None) -> int | None:
@@ -507,36 +516,39 @@ def _diverging_cases(identities) -> set[str]:
 
 def _note_listed(result: CampaignResult, listed: frozenset, worlds) -> None:
     """Add the listed identities the example's ``worlds`` tolerated to ``listed_seen``."""
-    seen = {f["identity"] for f in result.listed_seen}
+    seen = {f.identity for f in result.listed_seen}
     for world in worlds:
         for failure in world.tolerated:
             if failure.identity in listed and failure.identity not in seen:
                 seen.add(failure.identity)
                 result.listed_seen.append(
-                    {"identity": failure.identity, "level": failure.level, "what": failure.what}
+                    Failure(identity=failure.identity, level=failure.level, what=failure.what)
                 )
 
 
-def _minimize(impl, failure: dict, contract_checks: bool) -> None:
-    """Finish the shrink at the op level (``tqbatch.testing.search.minimize``), in place."""
-    if not failure["identity"] or not failure["ops"]:
-        return
-    tolerated = set(failure["tolerated"])
+def _minimized(impl, failure: Failure, contract_checks: bool) -> Failure:
+    """``failure`` with its shrink finished op by op (``tqbatch.testing.search.minimize``)."""
+    if not failure.identity or not failure.ops:
+        return failure
+    tolerated = set(failure.tolerated)
     ops, check_failure = minimize(
         impl,
-        failure["config"],
-        failure["ops"],
-        failure["identity"],
+        failure.config,
+        failure.ops,
+        failure.identity,
         (lambda f: f.identity in tolerated) if tolerated else None,
         contract_checks=contract_checks,
         replays=MINIMIZE_REPLAYS,
     )
-    if check_failure is not None:
-        failure.update(ops=ops, message=str(check_failure), what=check_failure.what)
+    if check_failure is None:
+        return failure
+    return replace(failure, ops=ops, message=str(check_failure), what=check_failure.what)
 
 
-def _also_found(impl, failure: dict, ops: list, known: dict, contract_checks: bool) -> list[dict]:
-    """The failures of ``failure["also"]`` not yet ``known``, each as its own record.
+def _also_found(
+    impl, failure: Failure, ops: list, known: dict, contract_checks: bool
+) -> list[Failure]:
+    """The failures of ``failure.also`` not yet ``known``, each as its own record.
 
     Each is what a survey reports for it: ``ops`` (the found failure's, as
     Hypothesis shrank them), replayed with the failures before it at that op
@@ -544,16 +556,16 @@ def _also_found(impl, failure: dict, ops: list, known: dict, contract_checks: bo
     (``tqbatch.testing.search.minimize``). One that does not replay so is left to
     the search.
     """
-    tolerated = set(failure["tolerated"]) | {failure["identity"]}
+    tolerated = set(failure.tolerated) | {failure.identity}
     out = []
-    for identity in failure.get("also") or ():
+    for identity in failure.also:
         if identity in known:
             tolerated.add(identity)
             continue
         seen = frozenset(tolerated)
         cut, check_failure = minimize(
             impl,
-            failure["config"],
+            failure.config,
             ops,
             identity,
             lambda f, seen=seen: f.identity in seen,
@@ -564,47 +576,24 @@ def _also_found(impl, failure: dict, ops: list, known: dict, contract_checks: bo
         if check_failure is None:
             continue
         out.append(
-            dict(
-                failure,
-                ops=cut,
-                message=str(check_failure),
-                identity=identity,
-                check=check_failure.check.name,
-                level=check_failure.level,
-                what=check_failure.what,
-                also=[f.identity for f in check_failure.also],
+            replace(
+                Failure.of(check_failure, impl=failure.impl, config=failure.config, ops=cut),
+                final=failure.final,
+                replayed=failure.replayed,
                 tolerated=sorted(seen),
             )
         )
     return out
 
 
-def _found(observer: MachineObserver, exc: BaseException, tolerated: list[str]) -> list[dict]:
+def _found(observer: MachineObserver, exc: BaseException, tolerated: list[str]) -> list[Failure]:
     """The failures a round raised, as ``observer`` recorded them: each its final (shrunk) one."""
     recorded = list(observer.failures.values())
     final = [f for f in recorded if f.final] or recorded
     if not final:
         # Nothing recorded: the machine itself broke (e.g. a strategy error).
-        return [
-            {
-                "impl": "",
-                "config": {},
-                "ops": [],
-                "message": f"{type(exc).__name__}: {exc}",
-                "identity": "",
-                "check": "",
-                "level": HARNESS,
-                "final": False,
-                "tolerated": tolerated,
-            }
-        ]
-    out = []
-    for failure in final:
-        record = asdict(failure)
-        record["level"] = record["level"] or HARNESS
-        record["tolerated"] = tolerated
-        out.append(record)
-    return out
+        return [Failure.of(exc, ops=[], tolerated=tolerated)]
+    return [replace(failure, tolerated=tolerated) for failure in final]
 
 
 def save_failures(result: CampaignResult, directory, *, backend=None, options=None) -> list:
@@ -614,19 +603,19 @@ def save_failures(result: CampaignResult, directory, *, backend=None, options=No
 
     paths = []
     for failure in result.failures:
-        if not failure["ops"]:
+        if not failure.ops:
             paths.append(None)
             continue
         paths.append(
             write_failure(
-                failure["ops"],
-                failure["config"],
+                failure.ops,
+                failure.config,
                 directory,
-                error=failure["message"],
+                error=failure.message,
                 backend=backend,
                 options=options,
-                identity=failure.get("identity") or None,
-                tolerated=failure.get("tolerated") or [],
+                identity=failure.identity or None,
+                tolerated=failure.tolerated,
             )
         )
     return paths
@@ -649,8 +638,7 @@ def survey_test_case(impl: type | None = None, *, examples: int = 60, seed: int 
         def runTest(self):
             result = run_campaign(target, examples=examples, profile="ci", seed=seed, survey=True)
             lines = [
-                f"{f['identity'] or '(harness)'} [{f['level']}] {len(f['ops'])} ops: "
-                f"{(f.get('what') or f['message']).splitlines()[0]}"
+                f"{f.identity or '(harness)'} [{f.level}] {len(f.ops or ())} ops: {f.summary}"
                 for f in result.failures
             ]
             if lines:

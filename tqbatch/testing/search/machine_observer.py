@@ -6,44 +6,14 @@ machine class it makes (a fresh one unless one is handed in), and every
 example reports to it. A campaign (``tqbatch.testing.search.campaign``) or a mutant
 hunt (``tqbatch.testing.selfcheck.selftest``) makes its own and reads it; two machines
 with their own observers share nothing. A failed example is recorded as a
-``Failure``; a campaign hands failures on as dicts of it, told apart by
-``failure_key``.
+``tqbatch.testing.contract.failure.Failure``, the record a campaign hands on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from tqbatch.testing.contract.failure import Failure
 
-__all__ = ["Failure", "MachineObserver", "failure_key"]
-
-
-@dataclass
-class Failure:
-    """A failing run: the world configuration, the ops up to the failure, the message.
-
-    ``identity``, ``check`` and ``level`` come from the ``CheckFailure`` (empty
-    for anything else, e.g. a crash of the harness itself); ``also`` the
-    identities of the other checks that failed after the same op (tolerated
-    ones left out); ``final`` says whether Hypothesis was replaying its
-    shrunk example when it was recorded.
-    """
-
-    impl: str
-    config: dict
-    ops: list = field(default_factory=list)
-    message: str = ""
-    identity: str = ""
-    check: str = ""
-    level: str = ""
-    what: str = ""
-    also: list = field(default_factory=list)
-    final: bool = False
-
-
-def failure_key(failure: dict) -> str:
-    """What a campaign's failure is listed and told apart by: its identity (check@op),
-    or its message where the harness itself failed and there is no identity."""
-    return failure.get("identity") or failure.get("message", "")
+__all__ = ["MachineObserver"]
 
 
 class MachineObserver:
@@ -72,7 +42,7 @@ class MachineObserver:
     def failed(self, failure: Failure) -> None:
         """An example failed: ``failure`` is its record."""
         self.last_failure = failure
-        self.failures[failure.identity or failure.message] = failure
+        self.failures[failure.key] = failure
 
     def clear_failures(self) -> None:
         """Forget the failures recorded so far (the counts are kept)."""

@@ -38,10 +38,11 @@ from hypothesis.stateful import (
 
 from tqbatch.testing.contract import strategies as tqs
 from tqbatch.testing.contract.checks import CheckFailure, ToleratedDivergence
+from tqbatch.testing.contract.failure import Failure
 from tqbatch.testing.contract.ops import OPS, Rule
 from tqbatch.testing.contract.ops.batches import first_batch_ops
 from tqbatch.testing.search.hypothesis_internals import replaying_final
-from tqbatch.testing.search.machine_observer import Failure, MachineObserver
+from tqbatch.testing.search.machine_observer import MachineObserver
 from tqbatch.testing.target import (
     CONFIGURATIONS,
     capabilities,
@@ -144,17 +145,11 @@ class BatchCacheMachine(RuleBasedStateMachine):
 
     def _record(self, exc: BaseException):
         impl = self.world.impl
-        checked = isinstance(exc, CheckFailure)
-        failure = Failure(
+        failure = Failure.of(
+            exc,
             impl=impl_spec(impl),
             config=dict(self.config),
             ops=list(self.world.ops),
-            message=f"{type(exc).__name__}: {exc}" if not checked else str(exc),
-            identity=exc.identity if checked else "",
-            check=exc.check.name if checked else "",
-            level=exc.level if checked else "",
-            what=exc.what if checked else "",
-            also=[f.identity for f in exc.also] if checked else [],
             final=replaying_final(),
         )
         if self.observer is not None:

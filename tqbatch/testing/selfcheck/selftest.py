@@ -25,10 +25,11 @@ from dataclasses import dataclass, replace
 
 from hypothesis import Phase, settings
 
+from tqbatch.testing.contract.failure import Failure
 from tqbatch.testing.mutants import CATCHES, MUTANTS
 from tqbatch.testing.search.campaign import MINIMIZE_REPLAYS, SHRINK_RUNS
 from tqbatch.testing.search.hypothesis_internals import RunClock, shrink_budget
-from tqbatch.testing.search.machine_observer import Failure, MachineObserver
+from tqbatch.testing.search.machine_observer import MachineObserver
 from tqbatch.testing.search.minimize import minimize
 from tqbatch.testing.search.profiles import PROFILES
 from tqbatch.testing.search.stateful import UnsupportedOpsWarning, machine_for
@@ -38,13 +39,26 @@ __all__ = ["Hunt", "hunt", "main"]
 
 @dataclass
 class Hunt:
-    """One search: what was found (None: nothing), after how long and how many examples."""
+    """One search: what was found (None: nothing), after how long and how many examples.
+
+    ``seconds`` is the whole search, shrinking included where it shrank;
+    ``first_seconds`` and ``first_examples`` are when its check first failed
+    (None: it never did), in the same run, so that a shrink's time is the
+    difference of two readings of one clock.
+    """
 
     mutant: str
     check: str
     failure: Failure | None
     seconds: float
     examples: int
+    first_seconds: float | None = None
+    first_examples: int | None = None
+
+    @property
+    def shrink_seconds(self) -> float | None:
+        """The time from the first failure of its check to the reported repro."""
+        return None if self.first_seconds is None else self.seconds - self.first_seconds
 
     @property
     def found(self) -> bool:
@@ -66,7 +80,9 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
             observer=observer,
         )
     examples = [0]
+    first: list = [None, None]  # seconds and examples when the check first failed
     clock = RunClock()
+    start = time.perf_counter()
 
     class Counting(machine):
         def __init__(self):
@@ -75,6 +91,9 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
 
         def teardown(self):
             examples[0] += 1
+            failure = observer.last_failure  # recorded before teardown
+            if first[0] is None and failure is not None and failure.check == intended:
+                first[:] = [time.perf_counter() - start, examples[0]]
 
     phases = [Phase.generate, Phase.shrink] if shrink else [Phase.generate]
     base = PROFILES[profile] if isinstance(profile, str) else profile
@@ -83,7 +102,6 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
     Counting.TestCase.settings = settings(
         base, phases=phases, print_blob=False, report_multiple_bugs=False
     )
-    start = time.perf_counter()
     try:
         with shrink_budget(SHRINK_RUNS, clock):  # as tqbatch fuzz shrinks
             Counting.TestCase("runTest").runTest()
@@ -103,7 +121,7 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
         if check_failure is not None:
             failure = replace(failure, ops=ops, message=str(check_failure))
     seconds = time.perf_counter() - start
-    return Hunt(name, intended, failure, seconds, examples[0])
+    return Hunt(name, intended, failure, seconds, examples[0], *first)
 
 
 def main(argv=None) -> int:
@@ -117,18 +135,18 @@ def main(argv=None) -> int:
     names = args.mutants or sorted(MUTANTS)
     rows, found_times = [], []
     for name in names:
-        found = hunt(name, profile=args.profile)
-        shrunk = hunt(name, profile=args.profile, shrink=True) if found.found else None
+        # One run: its first failure of the check, then the shrink of it.
+        found = hunt(name, profile=args.profile, shrink=True)
         if found.found:
-            found_times.append(found.seconds)
+            found_times.append(found.first_seconds)
         rows.append(
             (
                 name,
                 found.check,
-                f"{found.seconds:.1f}" if found.found else "not found",
-                str(found.examples),
-                f"{shrunk.seconds - found.seconds:.1f}" if shrunk and shrunk.found else "-",
-                str(len(shrunk.failure.ops)) if shrunk and shrunk.found else "-",
+                f"{found.first_seconds:.1f}" if found.found else "not found",
+                str(found.first_examples) if found.found else str(found.examples),
+                f"{found.shrink_seconds:.1f}" if found.found else "-",
+                str(len(found.failure.ops)) if found.found else "-",
             )
         )
         print(" | ".join(rows[-1]), file=sys.stderr, flush=True)  # progress
