@@ -60,7 +60,6 @@ the database key) is ``tqbatch.testing.search.hypothesis_internals``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import unittest
@@ -344,14 +343,6 @@ def run_campaign(
             replayed_failures.add(failure.key)
 
     counter.on_failed_replay = failed_replay
-    add, remove = hypothesis_internals.observability()
-    stack = contextlib.ExitStack()
-    if add is not None:
-        stack.enter_context(hypothesis_internals.no_coverage_tracing())
-        add(counter.observe)
-        # It reports every run, so none is counted before it says what it was:
-        # with a database, a campaign's first run is a replay, not an example.
-        counter.observed = True
     start = time.monotonic()
     deadline = start + minutes * 60 if minutes else None
     # With a database, the first round replays what is saved there and
@@ -368,7 +359,10 @@ def run_campaign(
                 on_round(result)
 
     Counting.avoid_cases = frozenset(_diverging_cases(listed))
-    try:
+    with hypothesis_internals.observing(counter.observe) as observed:
+        # Where it observes, it reports every run, so none is counted before it says
+        # what it was: with a database, a campaign's first run is a replay, not an example.
+        counter.observed = observed
         while True:
             if not replaying:
                 if replay_only:
@@ -435,10 +429,6 @@ def run_campaign(
                     round_done(was_replaying)
                     break  # plain: the first failure; survey: the harness itself failed
             round_done(was_replaying)
-    finally:
-        if remove is not None:
-            remove(counter.observe)
-        stack.close()
     result.seconds = time.monotonic() - start
     return result
 

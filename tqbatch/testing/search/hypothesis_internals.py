@@ -32,7 +32,7 @@ from hypothesis.stateful import get_state_machine_test
 __all__ = [
     "RunClock",
     "no_coverage_tracing",
-    "observability",
+    "observing",
     "replaying_final",
     "run_machine",
     "shrink_budget",
@@ -96,16 +96,25 @@ def shrink_budget(runs: int | None, clock: RunClock) -> Iterator[None]:
         engine.time, engine.MAX_SHRINKING_SECONDS = saved_clock, saved
 
 
-def observability():
-    """Hypothesis's (add, remove) of an observability callback; (None, None) without them."""
+@contextlib.contextmanager
+def observing(callback):
+    """``callback`` gets Hypothesis's observation of every test run while the block runs,
+    with no line coverage collected for them (``no_coverage_tracing``); the block gets
+    whether it does (False where this Hypothesis has no observability callbacks)."""
     try:  # an internal module of Hypothesis: counts degrade gracefully without it
         from hypothesis.internal.observability import (
             add_observability_callback,
             remove_observability_callback,
         )
     except ImportError:  # pragma: no cover - depends on the Hypothesis version
-        return None, None
-    return add_observability_callback, remove_observability_callback
+        yield False
+        return
+    with no_coverage_tracing():
+        add_observability_callback(callback)
+        try:
+            yield True
+        finally:
+            remove_observability_callback(callback)
 
 
 @contextlib.contextmanager
