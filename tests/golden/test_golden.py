@@ -18,7 +18,8 @@ import pytest
 
 from tqbatch.testing.mutants import MUTANTS, SEED_DEFECTS
 from tqbatch.testing.replay.golden import DIRECTORY as GOLDEN
-from tqbatch.testing.replay.scenario import Scenario, discover, platform_id, replay
+from tqbatch.testing.replay.replayer import replay
+from tqbatch.testing.replay.scenario import Scenario, discover, platform_id
 from tqbatch.testing.target import load_impl
 
 SCENARIOS = [Scenario.load(p) for p in discover([GOLDEN])]

@@ -12,16 +12,11 @@ import pytest
 
 from tqbatch.cli import main
 from tqbatch.testing.mutants import MUTANTS
-from tqbatch.testing.replay import scenario as sc
+from tqbatch.testing.replay import replayer
 from tqbatch.testing.replay.golden import DIRECTORY as GOLDEN
-from tqbatch.testing.replay.scenario import (
-    RecordError,
-    Scenario,
-    ScenarioError,
-    record,
-    replay,
-    write_failure,
-)
+from tqbatch.testing.replay.recorder import RecordError, record
+from tqbatch.testing.replay.replayer import replay
+from tqbatch.testing.replay.scenario import Scenario, ScenarioError, platform_id, write_failure
 
 SMALL = "16_size_is_written_end_int_at_batch"
 FILTER = "03_filter_zero_padding_row_one_survivor_omlx_2172"
@@ -133,8 +128,10 @@ def test_cross_platform_tolerances_apply_off_the_recording_platform(tmp_path, mo
 
     _tamper(path, "000.state.keys.indices", flip)
     assert not replay(path).ok
-    here = sc.platform_id()  # another device and OS, at the same matmul precision
-    monkeypatch.setattr(sc, "platform_id", lambda: {**here, "device": "gpu", "system": "Darwin"})
+    here = platform_id()  # another device and OS, at the same matmul precision
+    monkeypatch.setattr(
+        replayer, "platform_id", lambda: {**here, "device": "gpu", "system": "Darwin"}
+    )
     crossed = replay(path)
     assert crossed.ok and crossed.cross_platform, crossed.summary()
 
@@ -152,9 +149,9 @@ def test_at_another_precision_only_exact_quantities_meet_the_recording(tmp_path,
     path = _recorded_here(SMALL, tmp_path)
     _tamper(path, "004.attention", lambda a: a + 1e-2)  # 10x the cross-platform atol
     assert not replay(path).ok
-    here = sc.platform_id()
+    here = platform_id()
     other = "float32" if here["precision"] == "tf32" else "tf32"
-    monkeypatch.setattr(sc, "platform_id", lambda: {**here, "precision": other})
+    monkeypatch.setattr(replayer, "platform_id", lambda: {**here, "precision": other})
     result = replay(path)
     assert result.ok and result.other_precision == here["precision"], result.summary()
     assert "by the oracles only" in result.summary()
@@ -166,14 +163,14 @@ def test_at_another_precision_only_exact_quantities_meet_the_recording(tmp_path,
 def test_compare_reports_what_differs():
     tol = {"atol": 1e-5, "rtol": 0, "max_mismatch_fraction": 0}
     want = np.zeros((2, 3), dtype=np.float32)
-    assert sc._compare("attention", want + 1e-6, want, tol, None) is None
-    assert "outside" in sc._compare("attention", want + 1e-3, want, tol, None)
-    assert "shape" in sc._compare("attention", want[:1], want, tol, None)
+    assert replayer._compare("attention", want + 1e-6, want, tol, None) is None
+    assert "outside" in replayer._compare("attention", want + 1e-3, want, tol, None)
+    assert "shape" in replayer._compare("attention", want[:1], want, tol, None)
     nan = want.copy()
     nan[0] = np.nan  # unrecorded (padding query): ignored
     poked = (want + 7 * np.isnan(nan)).astype(np.float32)
-    assert sc._compare("attention", poked, nan, tol, None) is None
-    assert "NaN" in sc._compare("attention", nan[::-1].copy(), nan, tol, None)
+    assert replayer._compare("attention", poked, nan, tol, None) is None
+    assert "NaN" in replayer._compare("attention", nan[::-1].copy(), nan, tol, None)
 
 
 def test_malformed_scenarios_are_rejected(tmp_path):
@@ -218,7 +215,7 @@ def test_recording_twice_gives_identical_bytes(tmp_path, monkeypatch):
         assert sorted(recorded.files) == sorted(shipped.files)
         # The same bits as the shipped recording where it was made (the CPU); on
         # another platform (an H200: float32 GPU rounding) only the same names.
-        if Scenario.load(GOLDEN / f"{SMALL}.json").recording["platform"] == sc.platform_id():
+        if Scenario.load(GOLDEN / f"{SMALL}.json").recording["platform"] == platform_id():
             assert all(np.array_equal(recorded[k], shipped[k]) for k in shipped.files)
 
 

@@ -19,7 +19,8 @@ from tqbatch.testing.contract.ops.merge import BY_MERGE, BY_PREFILL, merge_only
 from tqbatch.testing.gate.known_failures import KnownFailures, shipped
 from tqbatch.testing.mutants import MUTANTS
 from tqbatch.testing.replay.golden import DIRECTORY as GOLDEN
-from tqbatch.testing.replay.scenario import Scenario, discover, replay
+from tqbatch.testing.replay.replayer import replay
+from tqbatch.testing.replay.scenario import Scenario, discover
 from tqbatch.testing.target import capabilities, load_impl
 from tqbatch.testing.world import nested_ops
 

@@ -21,7 +21,8 @@ from tqbatch.testing.mutants import (
     FilterWithoutCompaction,
     RoundtripAliasesDonor,
 )
-from tqbatch.testing.replay.scenario import replay, write_failure
+from tqbatch.testing.replay.replayer import replay
+from tqbatch.testing.replay.scenario import write_failure
 from tqbatch.testing.search.campaign import CampaignResult, conforms, run_campaign, survey_test_case
 from tqbatch.testing.selfcheck.doubles import PendingPaddingAsBatchKVCache
 from tqbatch.testing.world import World

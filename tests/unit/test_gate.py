@@ -32,7 +32,8 @@ from tqbatch.testing.contract import strategies as tqs
 from tqbatch.testing.contract.ops import bad_input_cases
 from tqbatch.testing.gate.known_failures import KnownFailures
 from tqbatch.testing.replay import golden
-from tqbatch.testing.replay.scenario import Scenario, replay
+from tqbatch.testing.replay.replayer import replay
+from tqbatch.testing.replay.scenario import Scenario
 from tqbatch.testing.selfcheck.doubles import WithoutSeed, WithoutSplitBits
 from tqbatch.testing.target import (
     capabilities,

@@ -51,14 +51,8 @@ def register(subparsers) -> None:
 def record_paths(paths, *, everything: bool = False, impl: str | None = None) -> int:
     """Record the scenarios under ``paths``; the exit code (see the module docstring)."""
     # Imported here: the executor needs the harness extra, the parser must not.
-    from tqbatch.testing.replay.scenario import (
-        RecordError,
-        Scenario,
-        ScenarioError,
-        discover,
-        needs_recording,
-        record,
-    )
+    from tqbatch.testing.replay.recorder import RecordError, needs_recording, record
+    from tqbatch.testing.replay.scenario import Scenario, ScenarioError, discover
 
     try:
         cls = load_impl(impl)

@@ -71,7 +71,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     # Imported here: the executor needs the harness extra, the parser must not.
-    from tqbatch.testing.replay.scenario import Scenario, ScenarioError, discover, replay
+    from tqbatch.testing.replay.replayer import replay
+    from tqbatch.testing.replay.scenario import Scenario, ScenarioError, discover
 
     try:
         explicit = load_impl(args.impl) if args.impl else None

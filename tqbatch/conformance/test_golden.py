@@ -27,7 +27,8 @@ def _identity(divergence) -> tuple[str, str]:
 @pytest.mark.parametrize("scenario_path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
 def test_golden(scenario_path: Path, tqbatch_harness, request):
     """A golden scenario replays green against the cache."""
-    from tqbatch.testing.replay.scenario import Scenario, replay
+    from tqbatch.testing.replay.replayer import replay
+    from tqbatch.testing.replay.scenario import Scenario
 
     state = tqbatch_harness
     use_recording = not state.oracles_only

@@ -10,7 +10,7 @@ every invariant (``tqbatch.testing.contract.invariants``). Both raise
 ``AssertionError`` naming the op and the quantity that diverged, after
 running every check of the op: the raised failure carries the others
 (``CheckFailure.also``). The state machine (``tqbatch.testing.search.stateful``)
-and golden-scenario replay (``tqbatch.testing.replay.scenario``) are both built on
+and golden-scenario replay (``tqbatch.testing.replay.replayer``) are both built on
 these two calls::
 
     world = World(impl, bits=4.0, seed=0)

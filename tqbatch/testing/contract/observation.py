@@ -2,7 +2,7 @@
 
 ``World.step`` (``tqbatch.testing.world``) produces one observation per op:
 ``of_target`` after every op, and the op module's ``Op.observe`` for what the
-op yielded; ``tqbatch.testing.replay.scenario`` only compares it with a recording.
+op yielded; ``tqbatch.testing.replay.replayer`` only compares it with a recording.
 Packed states are kept as raw bytes (their dtype untouched), masks as
 booleans, outputs as float32 with NaN where unspecified.
 """

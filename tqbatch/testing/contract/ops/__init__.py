@@ -14,7 +14,7 @@ the bad-input cases and their errors (``bad_input_cases``,
 ``BAD_INPUT_ERRORS``, ``POLICY_CASES``) and the recorded quantities
 (``recorded_quantity``). The executor (``tqbatch.testing.world.World``), the
 state machine (``tqbatch.testing.search.stateful``), replay
-(``tqbatch.testing.replay.scenario``) and docs/ops.md (``python -m
+(``tqbatch.testing.replay.replayer``) and docs/ops.md (``python -m
 tqbatch.testing.contract.ops``) read them here.
 """
 

@@ -3,7 +3,7 @@
 Package data, so that a cache's owner replays them from an installed tqbatch
 (``tqbatch replay`` with no path, ``pytest --pyargs tqbatch.conformance``).
 The format and the list of scenarios: tests/golden/README.md in tqbatch's
-repository; ``tqbatch.testing.replay.scenario`` reads and replays them.
+repository; ``tqbatch.testing.replay`` reads them (``scenario``) and replays them (``replayer``).
 """
 
 from __future__ import annotations
