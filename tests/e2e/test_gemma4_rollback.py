@@ -34,7 +34,7 @@ from tqbatch.workbench import model_matrix, vlm_families
 
 @pytest.fixture(scope="module")
 def gemma4():
-    return vlm_families.build("gemma4")
+    return vlm_families.SPECS["gemma4"].build()
 
 
 def _all_full_attention_gemma4():
@@ -42,7 +42,7 @@ def _all_full_attention_gemma4():
     from mlx_vlm.models.gemma4.config import TextConfig
     from mlx_vlm.models.gemma4.language import LanguageModel
 
-    params = dict(vlm_families._CONFIGS["gemma4"], num_hidden_layers=2)
+    params = dict(vlm_families.SPECS["gemma4"].config, num_hidden_layers=2)
     params["layer_types"] = ["full_attention"] * 2
     mx.random.seed(0)
     model = LanguageModel(TextConfig.from_dict(params))

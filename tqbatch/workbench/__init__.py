@@ -22,7 +22,9 @@ uses neither.
   random-weight models of mlx-vlm's (``vlm_families``) and mlx-lm's
   (``lm_families``) own model classes, under a cache oracle fed from the K/V
   capture ``kv_ledger``; ``batch_generator_scenario`` drives mlx-lm's
-  ``BatchGenerator`` under that oracle.
+  ``BatchGenerator`` under that oracle. Each family is a ``family.Family``
+  (its config, its build, its library's cache rule), chosen by name from
+  ``families``; ``tiny_config`` holds the config pieces both kinds share.
 
 Every language model is built here: the harness judges cache operations and
 builds none (``tests/unit/test_import_direction.py`` holds it to that).
