@@ -249,7 +249,7 @@ class MatrixAdapter(ModelAdapter):
     messages; mlx-vlm's forward (``vlm_families.forward``) and ``_extend_cache``;
     verify blocks as mlx-vlm's speculative decoders run them
     (speculative/dflash.py), each row rolled back to its own accepts through
-    ``commit_speculative_round``. None of the base's tqbatch layer layout is used.
+    ``commit_speculative_round``.
     """
 
     per_row_accepts = True
@@ -257,7 +257,8 @@ class MatrixAdapter(ModelAdapter):
     def __init__(
         self, model, family: Family, target: Target, layers, oracle: Oracle, diagnose: bool = False
     ):
-        self.model, self.family, self.target = model, family, target
+        super().__init__(model)
+        self.family, self.target = family, target
         self.layers = tuple(layers)
         self.oracle = oracle
         # Diagnosing a failed cell: the sliding-window layers' caches are watched too.
@@ -527,7 +528,7 @@ def _run_cell_once(family: Family, scenario: str, target: Target, diagnose: bool
 
                 batch_generator_scenario.run(adapter, requests, bits=BITS, seed=SEED)
             else:
-                server = ContinuousBatcher(model, probe=False, observer=oracle, adapter=adapter)
+                server = ContinuousBatcher(adapter, probe=False, observer=oracle)
                 _SCENARIO_RUNS[scenario](server, requests)
     except CacheCheckFailed as exc:
         return Cell(
