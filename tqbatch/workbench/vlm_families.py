@@ -4,12 +4,12 @@ For testing a batch KV cache as a drop-in inside each family's real attention
 code: every model here is the family's own ``LanguageModel`` class from mlx-vlm
 0.7.10 (no vision/audio towers), shrunk to a few layers of hidden size 128,
 head_dim 64, at most 4 query / 2 KV heads, 128-wide MLPs and a 512-token
-vocabulary, in float32 and seeded so that ``build(name, seed)`` is
+vocabulary, in float32 and seeded so that ``SPECS[name].build(seed)`` is
 reproducible. Each family has enough layers that mlx-vlm's quantization rule
 (``mlx_vlm.models.cache.should_quantize_kv_layer``: the last cache layer stays
 full precision when there are more than two; rotating sliding-window caches and
 linear-attention ``ArraysCache`` layers are never quantized) leaves at least two
-full-attention layers on a quantized cache; see ``quantized_layers``.
+full-attention layers on a quantized cache; see ``VlmFamily.quantized_layers``.
 
 The caches come from mlx-vlm itself: ``make_single_cache`` is what it makes for
 one request and ``make_batch_cache`` is exactly ``mlx_vlm.generate.ar._make_cache``
