@@ -1,9 +1,9 @@
 """The model-family matrix: a batch cache as a drop-in inside mlx-vlm's own model code.
 
 Each cell runs one scenario on one tiny random-weight model of one family
-(``tqbatch.workbench.vlm_families``; every family: ``families``) with one *target* batch
-cache class. Layers get
-their caches by mlx-vlm's own rule (``mlx_vlm.generate.ar._make_cache`` with
+(``tqbatch.workbench.vlm_families``; each is a ``family.Family``, chosen by name
+from ``families``) with one *target* batch cache class. Layers get their caches
+by mlx-vlm's own rule (``mlx_vlm.generate.ar._make_cache`` with
 TurboQuant on: the layers it would quantize hold the target; rotating,
 linear-attention and last layers keep mlx-vlm's caches), and the scenario
 drives the model through the workbench's serving loop, ``ContinuousBatcher``
