@@ -31,10 +31,12 @@ from mlx_vlm.speculative.common import verify_forward
 from tqbatch import BatchTurboQuantKVCache
 from tqbatch.workbench import model_matrix, vlm_families
 
+GEMMA4 = vlm_families.SPECS["gemma4"]
+
 
 @pytest.fixture(scope="module")
 def gemma4():
-    return vlm_families.build("gemma4")
+    return GEMMA4.build()
 
 
 def _all_full_attention_gemma4():
@@ -42,7 +44,7 @@ def _all_full_attention_gemma4():
     from mlx_vlm.models.gemma4.config import TextConfig
     from mlx_vlm.models.gemma4.language import LanguageModel
 
-    params = dict(vlm_families._CONFIGS["gemma4"], num_hidden_layers=2)
+    params = dict(GEMMA4.config, num_hidden_layers=2)
     params["layer_types"] = ["full_attention"] * 2
     mx.random.seed(0)
     model = LanguageModel(TextConfig.from_dict(params))
@@ -69,7 +71,7 @@ def _ragged_rollback(model, target: model_matrix.Target, accepted: list[int], bl
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]][: len(accepted)]
     longest = max(map(len, prompts))
     padding = [longest - len(p) for p in prompts]
-    caches = target.batch_caches(model, padding)
+    caches = target.batch_caches(model, padding, GEMMA4)
     tokens = mx.array([[0] * pad + p for pad, p in zip(padding, prompts)], dtype=mx.int32)
     mx.eval(vlm_families.forward(model, tokens, caches))
     # speculative/dflash.py's _dflash_verify: a model with its own rollback verifies
@@ -132,7 +134,7 @@ def test_mlx_vlms_cache_transaction_rolls_tqbatch_rows_back_exactly(gemma4, layo
     packed bits of its prompt and accepted tokens, the rejected ones gone."""
     model = gemma4 if layout == "sliding and full" else _all_full_attention_gemma4()
     accepted, block = [2, 0], 4
-    caches = model_matrix.target_for("tqbatch").batch_caches(model, [0, 3])
+    caches = model_matrix.target_for("tqbatch").batch_caches(model, [0, 3], GEMMA4)
     prompts = mx.array([[5, 6, 7, 8, 9, 10], [0, 0, 0, 11, 12, 13]], dtype=mx.int32)
     mx.eval(vlm_families.forward(model, prompts, caches))
     drafts = mx.array([[21, 22, 23, 24], [25, 26, 27, 28]], dtype=mx.int32)

@@ -18,7 +18,7 @@ import tqbatch.mlx_lm as tq_mlx_lm
 from tqbatch.commands.models import _families
 from tqbatch.testing.backend import matmul_precision
 from tqbatch.testing.mutants import MUTANTS
-from tqbatch.workbench import lm_families, model_matrix, vlm_families
+from tqbatch.workbench import families, lm_families, model_matrix, vlm_families
 from tqbatch.workbench.model_matrix import BASELINE
 
 from .conftest import doc_matrix
@@ -88,7 +88,7 @@ def test_mlx_lm_cell_catches_a_broken_cache(mutant, scenario, pattern):
 
 def test_factory_merges_into_the_batch_class_it_is_given():
     """BatchGenerator batches whatever ``merge`` of the first request's cache builds."""
-    model = model_matrix._model("mlx-lm:llama")
+    model = model_matrix._model(families.named("mlx-lm:llama"))
     mutant = MUTANTS["ExtractDropsLastToken"]
     caches = [tq_mlx_lm.make_prompt_cache(model, batch_class=mutant) for _ in range(2)]
     assert isinstance(caches[0][0].merge([c[0] for c in caches]), mutant)
@@ -97,9 +97,10 @@ def test_factory_merges_into_the_batch_class_it_is_given():
 
 
 def test_mlx_lm_families_keep_mlx_lms_cache_rule():
-    model = model_matrix._model("mlx-lm:gemma3_text")
-    assert lm_families.quantized_layers(model) == [1]  # the sliding layer stays rotating
-    caches = model_matrix.target_for("tqbatch").batch_caches(model, [0, 2], "mlx-lm:gemma3_text")
+    family = families.named("mlx-lm:gemma3_text")
+    model = model_matrix._model(family)
+    assert family.quantized_layers(model) == [1]  # the sliding layer stays rotating
+    caches = model_matrix.target_for("tqbatch").batch_caches(model, [0, 2], family)
     assert type(caches[0]) is lm_cache.BatchRotatingKVCache
     assert (
         model_matrix.scenarios_for("llama") == model_matrix.SCENARIOS

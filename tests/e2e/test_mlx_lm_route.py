@@ -93,7 +93,7 @@ def build(family: str, seed: int = 0) -> nn.Module:
     """The family's tiny mlx-lm model with seeded random float32 weights (lm_families')."""
     if family == "lfm2":
         return lm_families.build_model("lfm2", LFM2, seed)
-    return lm_families.build(family, seed)
+    return lm_families.SPECS[lm_families.PREFIX + family].build(seed)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,12 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_vlm.models.qwen2 import language as qwen2_language
 
 from tqbatch.testing.mutants import FilterKeepsOneDeadColumn, FilterWithoutCompaction
-from tqbatch.workbench.serving import ContinuousBatcher, MaskGeometryError, Request
+from tqbatch.workbench.serving import (
+    ContinuousBatcher,
+    MaskGeometryError,
+    Request,
+    TurboQuantLayersAdapter,
+)
 
 from .conftest import BITS, SEED, SPEC
 
@@ -26,7 +31,9 @@ def test_attention_is_mlx_vlm_sdpa_with_our_cache(model, impl, monkeypatch):
         )
 
     monkeypatch.setattr(qwen2_language, "scaled_dot_product_attention", spy)
-    server = ContinuousBatcher(model, bits=BITS, seed=SEED, batch_cache_class=impl, probe=False)
+    server = ContinuousBatcher(
+        TurboQuantLayersAdapter(model, bits=BITS, seed=SEED, batch_cache_class=impl), probe=False
+    )
     server.admit_left_padded([Request("x", [1, 2, 3], 5), Request("y", [4, 5, 6, 7, 8], 5)])
     server.step()
     batch_class = type(impl([0], bits=BITS, seed=SEED))  # tqbatch's: configured for BITS, SEED
@@ -51,7 +58,9 @@ def test_rope_takes_per_row_offsets(model, impl):
 @pytest.mark.parametrize("mutant", [FilterWithoutCompaction, FilterKeepsOneDeadColumn])
 def test_probe_reports_dense_and_quantized_layers_disagreeing(model, mutant):
     """A filter that leaves dead columns makes the TurboQuant mask wider than the dense layer."""
-    server = ContinuousBatcher(model, bits=BITS, seed=SEED, batch_cache_class=mutant)
+    server = ContinuousBatcher(
+        TurboQuantLayersAdapter(model, bits=BITS, seed=SEED, batch_cache_class=mutant)
+    )
     try:
         longest = Request("long", list(range(1, 12)), 1)  # leaves right after prefill
         server.admit_left_padded([Request("a", [1, 2, 3, 4], 4), longest, Request("b", [5, 6], 4)])

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from tqbatch.workbench.e2e import REQUESTS, ModelSpec, run_scenario
-from tqbatch.workbench.serving import ContinuousBatcher, Request
+from tqbatch.workbench.serving import ContinuousBatcher, Request, TurboQuantLayersAdapter
 from tqbatch.workbench.serving_oracle import ServingOracle
 
 from .conftest import BITS, SEED, SMALL_SPEC, SPEC
@@ -72,7 +72,9 @@ def test_teacher_forcing_decides_tokens_and_verify_acceptance(model, impl):
     teacher = {"x": [7, 7, 7, 7, 7], "y": [9, 8, 7, 6, 5]}
     prompts = {"x": [1, 2, 3], "y": [4, 5, 6, 7, 8]}
     requests = [Request(uid, prompts[uid], 5, teacher=teacher[uid]) for uid in prompts]
-    server = ContinuousBatcher(model, bits=BITS, seed=SEED, batch_cache_class=impl)
+    server = ContinuousBatcher(
+        TurboQuantLayersAdapter(model, bits=BITS, seed=SEED, batch_cache_class=impl)
+    )
     try:
         server.admit_left_padded(requests)
         accepted = server.verify(lambda r, n: r.teacher[len(r.tokens) : len(r.tokens) + n], 3)
@@ -92,7 +94,10 @@ def test_left_padding_through_prepare_passes_the_oracle(model, impl):
     """``prepare(left_padding=...)`` on unpadded caches serves like the constructor."""
     prompts = {"p": [9, 8, 7, 6, 5, 4], "q": [11, 12], "r": [300, 301, 302, 303]}
     oracle = ServingOracle(model, bits=BITS, seed=SEED, quantized_layers=range(SPEC.num_layers - 1))
-    server = ContinuousBatcher(model, bits=BITS, seed=SEED, batch_cache_class=impl, observer=oracle)
+    server = ContinuousBatcher(
+        TurboQuantLayersAdapter(model, bits=BITS, seed=SEED, batch_cache_class=impl),
+        observer=oracle,
+    )
     # Any tokens do for a cache check: teacher-force fixed ones.
     requests = [Request(uid, p, 4, teacher=[40, 41, 42, 43]) for uid, p in prompts.items()]
     try:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tqbatch.workbench import bench
+from tqbatch.workbench import bench, bench_report
 
 
 def _tqbatch(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
@@ -52,15 +52,17 @@ def _row(op, context, target, reference):
 
 
 def test_goals_follow_the_issue():
-    assert bench.goal(_row("prepare+finalize", 512, 1, 1)) == 1.0
-    assert bench.goal(_row("filter", 4096, 1, 1)) == 0.5
-    assert bench.goal(_row("filter", 512, 1, 1)) is None  # the 0.5x goal is set at 4096 only
-    assert bench.goal(_row("decode-overhead (B=1)", 512, 1, 1)) == 1.05
-    assert bench.goal(_row("decode", 4096, 1, 1)) is None
+    assert bench_report.goal(_row("prepare+finalize", 512, 1, 1)) == 1.0
+    assert bench_report.goal(_row("filter", 4096, 1, 1)) == 0.5
+    assert bench_report.goal(_row("filter", 512, 1, 1)) is None  # the 0.5x goal is set at 4096 only
+    assert bench_report.goal(_row("decode-overhead (B=1)", 512, 1, 1)) == 1.05
+    assert bench_report.goal(_row("decode", 4096, 1, 1)) is None
 
 
 def test_markdown_table_reports_ratio_and_verdict():
-    table = bench.markdown_table([_row("merge", 4096, 0.002, 0.010), _row("extend", 4096, 3, 2)])
+    table = bench_report.markdown_table(
+        [_row("merge", 4096, 0.002, 0.010), _row("extend", 4096, 3, 2)]
+    )
     lines = table.splitlines()
     assert lines[2] == "| merge | 4096 | 4 | 2.00 | BatchKVCache | 10.00 | 0.20 | <= 0.5 met |"
     assert lines[3].endswith("| 1.50 | <= 0.5 missed |")
@@ -134,7 +136,7 @@ def test_decode_plot_draws_each_batch_and_path(tmp_path, monkeypatch):
         for b in (1, 8)
         for t in (1024, 4096)
     ]
-    bench.plot_decode(rows, str(tmp_path / "k.png"))
+    bench_report.plot_decode(rows, str(tmp_path / "k.png"))
     assert drawn == ["fused, B=1", "vectorized, B=1", "fused, B=8", "vectorized, B=8"]
 
 
@@ -143,11 +145,11 @@ def test_decode_goals_and_bytes_follow_the_issue():
         g = bench.Geometry(batch, 8, 128, context, bits, query_heads=32)
         return bench.Row("decode", g, 1, 1, "BatchKVCache")
 
-    assert bench.decode_goal(row(8, 4096, 4), "cpu") == 1.1
-    assert bench.decode_goal(row(8, 4096, 8), "cpu") == 1.5
-    assert bench.decode_goal(row(8, 4096, 8), "gpu") == 2.0
-    assert bench.decode_goal(row(1, 4096, 4), "cpu") is None
+    assert bench_report.decode_goal(row(8, 4096, 4), "cpu") == 1.1
+    assert bench_report.decode_goal(row(8, 4096, 8), "cpu") == 1.5
+    assert bench_report.decode_goal(row(8, 4096, 8), "gpu") == 2.0
+    assert bench_report.decode_goal(row(1, 4096, 4), "cpu") is None
     # 66 B per token-head and side at 4 bits (64 B of codes + a float16 norm), 256 B in float16.
     g = row(1, 1, 4).geometry
-    assert bench.packed_bytes_read(g) == 8 * 2 * 66
-    assert bench.float16_bytes_read(g) == 8 * 2 * 256
+    assert bench_report.packed_bytes_read(g) == 8 * 2 * 66
+    assert bench_report.float16_bytes_read(g) == 8 * 2 * 256

@@ -550,12 +550,12 @@ def test_kernel_source_emulated_on_cpu_matches_vectorized_path(
 
 
 def test_bench_table_reports_each_path_against_float16(monkeypatch):
-    from tqbatch.workbench import bench
+    from tqbatch.workbench import bench, bench_report
 
     g = bench.Geometry(8, 8, 128, 4096, 4, query_heads=32)
     assert g in bench.DECODE_KERNEL.geometries()
     rows = [bench.KernelRow(g, 0.0006, 0.002, 0.0007), bench.KernelRow(g, None, 0.002, 0.0007)]
-    table = bench.decode_kernel_table(rows)
+    table = bench_report.decode_kernel_table(rows)
     # 8 rows x 8 heads x 4096 tokens x 2 sides x 66 B packed, 256 B in float16.
     assert (
         "| 8 | 4096 | 4 | 0.60 | 2.00 | 0.70 | 0.86 | 2.86 | 3.33x | 34.6 | 134.2 | <= 1 met |"
@@ -566,9 +566,9 @@ def test_bench_table_reports_each_path_against_float16(monkeypatch):
         in (table)
     )
     # With the device's copy rate: the packed bytes' read time (34.6 MB at 3.46 TB/s).
-    assert "| 34.6 | 134.2 | 0.01 | <= 1 met |" in bench.decode_kernel_table(rows, 3.46e12)
+    assert "| 34.6 | 134.2 | 0.01 | <= 1 met |" in bench_report.decode_kernel_table(rows, 3.46e12)
     # The goals, set at B = 8: 4 bits <= 1.0 at 4096 and <= 0.6 at 32k; 8 bits <= 1.2.
-    goal = lambda t, bits, b=8: bench.kernel_goal(bench.Geometry(b, 8, 128, t, bits, 32))  # noqa: E731
+    goal = lambda t, bits, b=8: bench_report.kernel_goal(bench.Geometry(b, 8, 128, t, bits, 32))  # noqa: E731
     assert (goal(4096, 4), goal(32768, 4), goal(4096, 8), goal(4096, 4, 1)) == (1.0, 0.6, 1.2, None)
     # Each path's run sets the mode for its own call only.
     monkeypatch.setenv("TQBATCH_DECODE_KERNEL", "auto")

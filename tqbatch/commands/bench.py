@@ -17,7 +17,7 @@ from tqbatch.commands import add_impl_argument, step_summary
 from tqbatch.exitcodes import ExitCode
 from tqbatch.testing.backend import describe_line
 from tqbatch.testing.target import capabilities, impl_spec
-from tqbatch.workbench import bench
+from tqbatch.workbench import bench, bench_report
 
 # Capabilities (tqbatch.testing.target.capabilities) each timed op needs besides merge.
 _NEEDS = {
@@ -130,17 +130,17 @@ def _decode_kernel(args, impl, name, progress) -> int:
         )
     print()
     # Each line as soon as its geometry is measured: a run cut short keeps its numbers.
-    print(bench.decode_kernel_header(bandwidth), flush=True)
+    print(bench_report.decode_kernel_header(bandwidth), flush=True)
     rows = bench.compare_decode_kernel(
         grid,
         impl=impl,
         progress=progress,
-        on_row=lambda row: print(bench.decode_kernel_line(row, bandwidth), flush=True),
+        on_row=lambda row: print(bench_report.decode_kernel_line(row, bandwidth), flush=True),
     )
-    table = bench.decode_kernel_table(rows, bandwidth)
+    table = bench_report.decode_kernel_table(rows, bandwidth)
     step_summary(f"### tqbatch bench --decode --kernel\n\n{name}\n\n{table}")
     if args.plot:
-        bench.plot_decode(rows, args.plot)
+        bench_report.plot_decode(rows, args.plot)
         print(f"\nplot written to {args.plot}")
     return ExitCode.OK
 
@@ -158,7 +158,7 @@ def run(args) -> int:
     if args.plot:
         # Fail before minutes of timing, not after.
         try:
-            bench.require_matplotlib()
+            bench_report.require_matplotlib()
         except ImportError as err:
             print(f"tqbatch bench --plot: {err}", file=sys.stderr)
             return ExitCode.USAGE
@@ -200,10 +200,10 @@ def run(args) -> int:
             "float16: mlx-lm's BatchKVCache + SDPA"
         )
         print()
-        print(bench.decode_table(rows))
-        step_summary(f"### tqbatch bench --decode\n\n{name}\n\n{bench.decode_table(rows)}")
+        print(bench_report.decode_table(rows))
+        step_summary(f"### tqbatch bench --decode\n\n{name}\n\n{bench_report.decode_table(rows)}")
         if args.plot:
-            bench.plot_decode(rows, args.plot)
+            bench_report.plot_decode(rows, args.plot)
             print(f"\nplot written to {args.plot}")
         return ExitCode.OK
 
@@ -220,9 +220,9 @@ def run(args) -> int:
         " sides alternating"
     )
     print()
-    print(bench.markdown_table(rows))
-    step_summary(f"### tqbatch bench\n\n{name}\n\n{bench.markdown_table(rows)}")
+    print(bench_report.markdown_table(rows))
+    step_summary(f"### tqbatch bench\n\n{name}\n\n{bench_report.markdown_table(rows)}")
     if args.plot:
-        bench.plot(rows, args.plot)
+        bench_report.plot(rows, args.plot)
         print(f"\nplot written to {args.plot}")
     return ExitCode.OK

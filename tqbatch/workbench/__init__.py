@@ -5,7 +5,9 @@ helpers) and the harness that judges any cache (``tqbatch.testing``). Arrows
 run one way: the workbench uses both, the harness uses the cache, the cache
 uses neither.
 
-* ``serving``: a continuous-batching server loop over mlx-vlm model code.
+* ``serving``: a continuous-batching server loop over mlx-vlm model code,
+  driven through one ``ModelAdapter`` (``TurboQuantLayersAdapter``: tqbatch's
+  layer layout).
 * ``serving_oracle``: per-request references checked against the caches that
   loop drives.
 * ``request_oracle``: the request oracle under ``serving_oracle.ServingOracle``,
@@ -16,13 +18,16 @@ uses neither.
   rows) and ``reference_attention`` (a row's reference attention).
 * ``e2e``: ``tqbatch e2e``, continuous batching through a random-weight
   Qwen2 language model, checked by the cache oracle.
-* ``bench``: ``tqbatch bench``, op and decode-step timings against
-  mlx-lm's float16 ``BatchKVCache``.
+* ``bench``: ``tqbatch bench``'s workloads and timers, op and decode-step
+  timings against mlx-lm's float16 ``BatchKVCache``; ``bench_report`` renders
+  its rows (markdown tables against the goals, plots).
 * ``model_matrix``: ``tqbatch models``, the cache as a drop-in inside tiny
   random-weight models of mlx-vlm's (``vlm_families``) and mlx-lm's
   (``lm_families``) own model classes, under a cache oracle fed from the K/V
   capture ``kv_ledger``; ``batch_generator_scenario`` drives mlx-lm's
-  ``BatchGenerator`` under that oracle.
+  ``BatchGenerator`` under that oracle. Each family is a ``family.Family``
+  (its config, its build, its library's cache rule), chosen by name from
+  ``families``; ``tiny_config`` holds the config pieces both kinds share.
 
 Every language model is built here: the harness judges cache operations and
 builds none (``tests/unit/test_import_direction.py`` holds it to that).

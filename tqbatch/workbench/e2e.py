@@ -50,7 +50,13 @@ from mlx_vlm.models.qwen2 import language as qwen2_language
 from mlx_vlm.models.qwen2.config import ModelConfig
 from mlx_vlm.turboquant import TurboQuantKVCache
 
-from tqbatch.workbench.serving import ContinuousBatcher, ForwardLayout, MaskGeometryError, Request
+from tqbatch.workbench.serving import (
+    ContinuousBatcher,
+    ForwardLayout,
+    MaskGeometryError,
+    Request,
+    TurboQuantLayersAdapter,
+)
 from tqbatch.workbench.serving_oracle import (
     CacheCheckFailed,
     OracleFailure,
@@ -393,9 +399,8 @@ def run_scenario(
         stop_at_first_failure=stop_at_first_failure,
     )
     kwargs = {} if batch_cache_class is None else {"batch_cache_class": batch_cache_class}
-    server = ContinuousBatcher(
-        model, bits=bits, seed=seed, dense_layers=dense, observer=oracle, **kwargs
-    )
+    adapter = TurboQuantLayersAdapter(model, bits=bits, seed=seed, dense_layers=dense, **kwargs)
+    server = ContinuousBatcher(adapter, observer=oracle)
     requests = {
         uid: Request(uid, prompt, references.budget[uid], teacher=references.runs[uid].tokens)
         for uid, prompt in references.prompts.items()

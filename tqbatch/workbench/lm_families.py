@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,6 +30,8 @@ from mlx_vlm.turboquant import TurboQuantKVCache
 
 from tqbatch import mlx_lm as tq_mlx_lm
 from tqbatch.cache import BatchableTurboQuantKVCache
+from tqbatch.workbench.family import Family
+from tqbatch.workbench.tiny_config import alternating_layers, tiny_shape, with_fields
 
 __all__ = [
     "CONFIGS",
@@ -36,24 +39,13 @@ __all__ = [
     "PREFIX",
     "SPECS",
     "LmFamily",
-    "alone_caches",
-    "batch_caches",
-    "build",
     "build_model",
-    "is_lm",
-    "quantized_layers",
 ]
 
 PREFIX = "mlx-lm:"
 
 _COMMON = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=256,
-    rms_norm_eps=1e-6,
+    tiny_shape(hidden=64, head_dim=32, vocab=256), num_hidden_layers=2, rms_norm_eps=1e-6
 )
 _SLIDING_WINDOW = 4  # shorter than the prompts, so the rotating layers' window bites
 # mlx-lm family -> ModelArgs fields beyond _COMMON; None drops a _COMMON field the
@@ -107,7 +99,7 @@ CONFIGS: dict[str, dict] = {
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=_SLIDING_WINDOW,
-        layer_types=["sliding_attention", "full_attention"],
+        layer_types=alternating_layers(2),
     ),
 }
 
@@ -119,12 +111,64 @@ _NO_CAPTURE = (
 
 
 @dataclass(frozen=True)
-class LmFamily:
-    name: str  # the matrix name, PREFIX + the mlx-lm module's name
-    module: str  # the mlx-lm module whose scaled_dot_product_attention the model calls
-    notes: str
+class LmFamily(Family):
+    """An mlx-lm model class under mlx-lm's cache rule, run under ``tqbatch.mlx_lm.routed()``.
+
+    ``name`` is PREFIX + the mlx-lm module's name, which is also ``module``: the
+    model calls that module's scaled_dot_product_attention.
+    """
+
     not_applicable: tuple[tuple[str, str], ...] = (_NO_CAPTURE,)
-    prefills_rows_in_full_precision: bool = False  # mlx-vlm's qwen3_5 only
+
+    library: ClassVar[str] = "mlx-lm"
+    # mlx-lm's own serving loop, for mlx-lm's own model classes only.
+    own_scenarios: ClassVar[tuple[str, ...]] = ("batch_generator",)
+
+    def build(self, seed: int = 0) -> nn.Module:
+        """The model with seeded random float32 weights (see ``build_model``)."""
+        return _build(self.name.removeprefix(PREFIX), self.config, seed)
+
+    def quantized_layers(self, model: nn.Module) -> list[int]:
+        """Layers mlx-lm's rule (``tqbatch.mlx_lm.make_prompt_cache``) puts on TurboQuant."""
+        caches = tq_mlx_lm.make_prompt_cache(model)
+        return [i for i, c in enumerate(caches) if isinstance(c, BatchableTurboQuantKVCache)]
+
+    def alone_caches(self, model: nn.Module, layers, quantized: bool, bits: float, seed: int):
+        """One request's caches: mlx-lm's, a ``TurboQuantKVCache`` on ``layers`` if quantized."""
+        caches = lm_cache.make_prompt_cache(model)
+        if quantized:
+            for i in layers:
+                caches[i] = TurboQuantKVCache(bits=bits, seed=seed)
+        return caches
+
+    def batch_caches(self, model: nn.Module, left_padding, target_cls, bits: float, seed: int):
+        """A left-padded batch's caches: each layer's single cache's batch class.
+
+        ``target_cls`` None: full precision (mlx-lm's own caches throughout).
+        """
+        padding = list(left_padding)
+        singles = (
+            lm_cache.make_prompt_cache(model)
+            if target_cls is None
+            else tq_mlx_lm.make_prompt_cache(model, bits=bits, seed=seed, batch_class=target_cls)
+        )
+        out = []
+        for c in singles:
+            if isinstance(c, BatchableTurboQuantKVCache):
+                out.append(target_cls(padding, bits=bits, seed=seed))
+            elif type(c) is lm_cache.KVCache:
+                out.append(lm_cache.BatchKVCache(padding))
+            elif type(c) is lm_cache.RotatingKVCache:
+                out.append(lm_cache.BatchRotatingKVCache(c.max_size, padding))
+            elif type(c) is lm_cache.ArraysCache:
+                out.append(lm_cache.ArraysCache(len(c.cache), left_padding=padding))
+            else:
+                raise TypeError(f"no batch class for mlx-lm's {type(c).__name__}")
+        return out
+
+    def routed(self):
+        """mlx-lm's attention hands TurboQuant caches to mlx-vlm's only under the route."""
+        return tq_mlx_lm.routed()
 
 
 _NOTES = {
@@ -137,32 +181,28 @@ _NOTES = {
     "gpt_oss": "make_cache: RotatingKVCache on sliding layers (kept); attention sinks",
 }
 SPECS: dict[str, LmFamily] = {
-    PREFIX + name: LmFamily(PREFIX + name, f"mlx_lm.models.{name}", _NOTES[name])
-    for name in CONFIGS
+    PREFIX + name: LmFamily(
+        PREFIX + name, f"mlx_lm.models.{name}", _NOTES[name], with_fields(_COMMON, fields)
+    )
+    for name, fields in CONFIGS.items()
 }
 FAMILIES: tuple[str, ...] = tuple(SPECS)
 
 
-def is_lm(family: str) -> bool:
-    return family.startswith(PREFIX)
-
-
-def build(family: str, seed: int = 0) -> nn.Module:
-    """The family's mlx-lm model with seeded random float32 weights.
+def build_model(name: str, fields: dict, seed: int = 0) -> nn.Module:
+    """The tiny model of any mlx-lm model module ``name``: the shape these families
+    share, with ``fields`` (ModelArgs fields; None drops a shared one).
 
     Weights normal(0, 1/fan_in), biases normal(0, 0.1), norms as made (as
     ``tqbatch.workbench.e2e.build_model``): greedy output that does not
-    collapse onto one repeated token. ``family`` with or without ``PREFIX``.
+    collapse onto one repeated token.
     """
-    name = family.removeprefix(PREFIX)
-    return build_model(name, CONFIGS[name], seed)
+    return _build(name, with_fields(_COMMON, fields), seed)
 
 
-def build_model(name: str, fields: dict, seed: int = 0) -> nn.Module:
-    """``build`` for any mlx-lm model module ``name``: the tiny shape these families
-    share, with ``fields`` (ModelArgs fields; None drops a shared one)."""
+def _build(name: str, params: dict, seed: int) -> nn.Module:
+    """mlx-lm module ``name``'s ``Model`` of ModelArgs ``params``, weights seeded."""
     module = importlib.import_module(f"mlx_lm.models.{name}")
-    params = {k: v for k, v in {**_COMMON, **fields}.items() if v is not None}
     model = module.Model(module.ModelArgs(model_type=name, **params))
     weights = []
     for i, (key_name, param) in enumerate(sorted(tree_flatten(model.parameters()))):
@@ -179,44 +219,3 @@ def build_model(name: str, fields: dict, seed: int = 0) -> nn.Module:
     model.load_weights(weights)
     mx.eval(model.parameters())
     return model
-
-
-def quantized_layers(model: nn.Module) -> list[int]:
-    """Layers mlx-lm's rule (``tqbatch.mlx_lm.make_prompt_cache``) puts on TurboQuant."""
-    caches = tq_mlx_lm.make_prompt_cache(model)
-    return [i for i, c in enumerate(caches) if isinstance(c, BatchableTurboQuantKVCache)]
-
-
-def alone_caches(model: nn.Module, layers, quantized: bool, bits: float, seed: int) -> list:
-    """One request's caches: mlx-lm's, a ``TurboQuantKVCache`` on ``layers`` if quantized."""
-    caches = lm_cache.make_prompt_cache(model)
-    if quantized:
-        for i in layers:
-            caches[i] = TurboQuantKVCache(bits=bits, seed=seed)
-    return caches
-
-
-def batch_caches(model: nn.Module, left_padding, target_cls, bits: float, seed: int) -> list:
-    """A left-padded batch's caches: each layer's single cache's batch class.
-
-    ``target_cls`` None: full precision (mlx-lm's own caches throughout).
-    """
-    padding = list(left_padding)
-    singles = (
-        lm_cache.make_prompt_cache(model)
-        if target_cls is None
-        else tq_mlx_lm.make_prompt_cache(model, bits=bits, seed=seed, batch_class=target_cls)
-    )
-    out = []
-    for c in singles:
-        if isinstance(c, BatchableTurboQuantKVCache):
-            out.append(target_cls(padding, bits=bits, seed=seed))
-        elif type(c) is lm_cache.KVCache:
-            out.append(lm_cache.BatchKVCache(padding))
-        elif type(c) is lm_cache.RotatingKVCache:
-            out.append(lm_cache.BatchRotatingKVCache(c.max_size, padding))
-        elif type(c) is lm_cache.ArraysCache:
-            out.append(lm_cache.ArraysCache(len(c.cache), left_padding=padding))
-        else:
-            raise TypeError(f"no batch class for mlx-lm's {type(c).__name__}")
-    return out

@@ -1,8 +1,9 @@
 """The model-family matrix: a batch cache as a drop-in inside mlx-vlm's own model code.
 
 Each cell runs one scenario on one tiny random-weight model of one family
-(``tqbatch.workbench.vlm_families``) with one *target* batch cache class. Layers get
-their caches by mlx-vlm's own rule (``mlx_vlm.generate.ar._make_cache`` with
+(``tqbatch.workbench.vlm_families``; each is a ``family.Family``, chosen by name
+from ``families``) with one *target* batch cache class. Layers get their caches
+by mlx-vlm's own rule (``mlx_vlm.generate.ar._make_cache`` with
 TurboQuant on: the layers it would quantize hold the target; rotating,
 linear-attention and last layers keep mlx-vlm's caches), and the scenario
 drives the model through the workbench's serving loop, ``ContinuousBatcher``
@@ -60,7 +61,6 @@ import re
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -73,10 +73,10 @@ from mlx_vlm.speculative.common import verify_forward
 from mlx_vlm.turboquant import DEFAULT_TURBOQUANT_SEED, TurboQuantKVCache
 from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatchTurboQuantKVCache
 
-from tqbatch import mlx_lm as tq_mlx_lm
 from tqbatch.testing.oracles.reference import to_numpy
-from tqbatch.workbench import lm_families, vlm_families
+from tqbatch.workbench import families, vlm_families
 from tqbatch.workbench.cache_rows import FULL_PRECISION_BATCHES
+from tqbatch.workbench.family import Family
 from tqbatch.workbench.request_oracle import RequestChecks
 from tqbatch.workbench.serving import ContinuousBatcher, ModelAdapter, Request
 from tqbatch.workbench.serving_oracle import CacheCheckFailed, ServingOracle
@@ -110,7 +110,7 @@ SCENARIOS = (
 # mlx-lm's own serving loop, for mlx-lm's own model classes only.
 LM_SCENARIOS = SCENARIOS + ("batch_generator",)
 ALL_SCENARIOS = LM_SCENARIOS
-ALL_FAMILIES = vlm_families.FAMILIES + lm_families.FAMILIES
+ALL_FAMILIES = families.NAMES
 # A gross-error bound on |logits - logits alone|, for what the oracle cannot see
 # (layers the target does not hold). Forward noise that flips TurboQuant codes
 # moved logits by up to 3e-1 with a correct cache (tqbatch.workbench.e2e's docstring, K/V
@@ -146,29 +146,14 @@ class Target:
     def quantized(self) -> bool:
         return self.cls is not None
 
-    def batch_caches(self, model, left_padding: Sequence[int], family: str = "") -> list:
-        if lm_families.is_lm(family):
-            return lm_families.batch_caches(model, left_padding, self.cls, BITS, SEED)
-        if self.cls is None:
-            return vlm_families.make_batch_cache(model, list(left_padding), kv_bits=None)
-        caches = vlm_families.make_batch_cache(model, list(left_padding), kv_bits=BITS)
-        return [
-            self.cls(list(left_padding), bits=BITS, seed=SEED)
-            if isinstance(c, VlmBatchTurboQuantKVCache)
-            else c
-            for c in caches
-        ]
+    def batch_caches(self, model, left_padding: Sequence[int], family: Family) -> list:
+        """A left-padded batch's caches by the family's rule, this target where it quantizes."""
+        return family.batch_caches(model, left_padding, self.cls, BITS, SEED)
 
-    def alone_caches(self, model, layers: Sequence[int], family: str = "") -> list:
-        """Single-request caches: mlx-vlm's (mlx-lm's for its families), TurboQuant on
-        ``layers`` for a quantized target."""
-        if lm_families.is_lm(family):
-            return lm_families.alone_caches(model, layers, self.quantized, BITS, SEED)
-        caches = vlm_families.make_single_cache(model)
-        if self.quantized:
-            for i in layers:
-                caches[i] = TurboQuantKVCache(bits=BITS, seed=SEED)
-        return caches
+    def alone_caches(self, model, layers: Sequence[int], family: Family) -> list:
+        """Single-request caches by the family's rule, TurboQuant on ``layers`` for a
+        quantized target."""
+        return family.alone_caches(model, layers, self.quantized, BITS, SEED)
 
 
 def target_for(spec: str) -> Target:
@@ -195,10 +180,10 @@ def _logits(model, tokens: Sequence[Sequence[int]], caches) -> mx.array:
     return logits
 
 
-def _alone_run(model, family: str, target: Target, layers, uid, prompt, steps) -> Request:
+def _alone_run(model, family: Family, target: Target, layers, uid, prompt, steps) -> Request:
     """Request ``uid`` run alone: greedy for ``steps`` tokens, on single-request caches;
     returned teacher-forced with those tokens and their logits alone."""
-    late = target.quantized and spec(family).prefills_rows_in_full_precision
+    late = target.quantized and family.prefills_rows_in_full_precision
     alone = Target("full precision", None) if late else target
     caches = alone.alone_caches(model, layers, family)
     logits = _logits(model, [prompt], caches)[0, -1]
@@ -237,7 +222,7 @@ class Oracle(ServingOracle):
     stopping at the first failed check, with each layer's batch cache class
     (``classes``) to name it where the check fails."""
 
-    def __init__(self, target: Target, layers: Sequence[int], family: str | None = None):
+    def __init__(self, target: Target, layers: Sequence[int], family: Family | None = None):
         target_class = (target.cls,) if target.cls else ()
         super().__init__(
             bits=BITS,
@@ -264,15 +249,16 @@ class MatrixAdapter(ModelAdapter):
     messages; mlx-vlm's forward (``vlm_families.forward``) and ``_extend_cache``;
     verify blocks as mlx-vlm's speculative decoders run them
     (speculative/dflash.py), each row rolled back to its own accepts through
-    ``commit_speculative_round``. None of the base's tqbatch layer layout is used.
+    ``commit_speculative_round``.
     """
 
     per_row_accepts = True
 
     def __init__(
-        self, model, family: str, target: Target, layers, oracle: Oracle, diagnose: bool = False
+        self, model, family: Family, target: Target, layers, oracle: Oracle, diagnose: bool = False
     ):
-        self.model, self.family, self.target = model, family, target
+        super().__init__(model)
+        self.family, self.target = family, target
         self.layers = tuple(layers)
         self.oracle = oracle
         # Diagnosing a failed cell: the sliding-window layers' caches are watched too.
@@ -318,10 +304,10 @@ class MatrixAdapter(ModelAdapter):
         commit_speculative_round(self.model, caches, state, list(accepted), block)
 
 
-def _attention_modules(family: str) -> list:
+def _attention_modules(family: Family) -> list:
     """The modules whose ``scaled_dot_product_attention`` the family's attention calls:
     its language module and, where it has one, its speculative verifier."""
-    name = spec(family).module
+    name = family.module
     modules = [importlib.import_module(name)]
     verifier = name.rsplit(".", 1)[0] + ".speculative_verifier"
     try:
@@ -453,33 +439,25 @@ class Cell:
         return text if len(text) <= width else text[: width - 1] + "…"
 
 
-_MODELS: dict[str, object] = {}
+_MODELS: dict[str, object] = {}  # each family's model, built once per process
 
 
-def spec(family: str):
-    """The family's description: ``vlm_families.SPECS`` or ``lm_families.SPECS``."""
-    return (lm_families.SPECS if lm_families.is_lm(family) else vlm_families.SPECS)[family]
-
-
-def scenarios_for(family: str) -> tuple[str, ...]:
+def scenarios_for(name: str) -> tuple[str, ...]:
     """The scenarios a family's cells exist for: mlx-lm's loop only for mlx-lm's models."""
-    return LM_SCENARIOS if lm_families.is_lm(family) else SCENARIOS
+    return _scenarios(families.named(name))
 
 
-def _model(family: str):
-    if family not in _MODELS:
-        build = lm_families.build if lm_families.is_lm(family) else vlm_families.build
-        _MODELS[family] = build(family)
-    return _MODELS[family]
+def _scenarios(family: Family) -> tuple[str, ...]:
+    return SCENARIOS + family.own_scenarios
 
 
-def _quantized_layers(family: str, model) -> list[int]:
-    if lm_families.is_lm(family):
-        return lm_families.quantized_layers(model)
-    return vlm_families.quantized_layers(model)
+def _model(family: Family):
+    if family.name not in _MODELS:
+        _MODELS[family.name] = family.build()
+    return _MODELS[family.name]
 
 
-def run_cell(family: str, scenario: str, target: Target) -> Cell:
+def run_cell(name: str, scenario: str, target: Target) -> Cell:
     """Run one cell; never raises for a failure of the model or the cache.
 
     A cell that fails only by its logit gap from the requests run alone is
@@ -489,11 +467,12 @@ def run_cell(family: str, scenario: str, target: Target) -> Cell:
     six identical runs, with mlx-lm's own ``BatchKVCache``). Such a cell is
     "NONDET", with both gaps, instead of "FAIL".
     """
-    why = dict(spec(family).not_applicable).get(scenario)
-    if scenario not in scenarios_for(family):
+    family = families.named(name)
+    why = dict(family.not_applicable).get(scenario)
+    if scenario not in _scenarios(family):
         why = "mlx-lm's BatchGenerator runs mlx-lm's model classes, not mlx-vlm's"
     if why is not None:
-        return Cell(family, scenario, target.name, "N/A", why)
+        return Cell(name, scenario, target.name, "N/A", why)
     cell = _run_cell_once(family, scenario, target)
     if not cell.gap_failure:
         return cell
@@ -532,16 +511,14 @@ def attributed(message: str, oracle: Oracle) -> str:
     return f"fails below the cache under test: {name} ({rest})"
 
 
-def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = False) -> Cell:
+def _run_cell_once(family: Family, scenario: str, target: Target, diagnose: bool = False) -> Cell:
     start = time.perf_counter()
     model = _model(family)
-    layers = _quantized_layers(family, model)
+    layers = family.quantized_layers(model)
     oracle = Oracle(target, layers, family)
     requests: dict[str, Request] = {}
-    # mlx-lm's attention hands TurboQuant caches to mlx-vlm's only under the route.
-    route = tq_mlx_lm.routed() if lm_families.is_lm(family) else nullcontext()
     try:
-        with route:
+        with family.routed():
             for uid in PROMPTS:
                 prompt = _prompt(uid, vlm_families.vocab_size(model))
                 requests[uid] = _alone_run(model, family, target, layers, uid, prompt, STEPS)
@@ -551,11 +528,11 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
 
                 batch_generator_scenario.run(adapter, requests, bits=BITS, seed=SEED)
             else:
-                server = ContinuousBatcher(model, probe=False, observer=oracle, adapter=adapter)
+                server = ContinuousBatcher(adapter, probe=False, observer=oracle)
                 _SCENARIO_RUNS[scenario](server, requests)
     except CacheCheckFailed as exc:
         return Cell(
-            family,
+            family.name,
             scenario,
             target.name,
             "FAIL",
@@ -573,7 +550,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
         place = f"{where.filename.rsplit('/', 2)[-1]}:{where.lineno}"
         detail = f"{type(exc).__name__}: {message} ({place})"
         return Cell(
-            family,
+            family.name,
             scenario,
             target.name,
             "ERROR",
@@ -589,7 +566,7 @@ def _run_cell_once(family: str, scenario: str, target: Target, diagnose: bool = 
     if gap is not None and gap > MODEL_GAP_LIMIT:
         status, detail = "FAIL", f"logits {gap:.3g} from the requests run alone"
     return Cell(
-        family,
+        family.name,
         scenario,
         target.name,
         status,

@@ -8,11 +8,12 @@ back after a speculative verify block (``trim``). Every layer holds a
 ``tqbatch.BatchTurboQuantKVCache`` except the ``dense_layers``, which hold a
 full-precision mlx-lm ``BatchKVCache`` (omlx keeps the last layer dense).
 
-A ``ModelAdapter`` changes how the loop makes caches, calls the model, joins
-batches and rolls verify blocks back; the model-family matrix
+The loop takes a ``ModelAdapter``: how to make the model's caches, call it,
+join batches and roll verify blocks back. ``TurboQuantLayersAdapter`` is
+tqbatch's own layout (above); the model-family matrix
 (``tqbatch.workbench.model_matrix``) drives mlx-vlm's and mlx-lm's model
-classes through one, finishing named rows (``finish``) and decoding them alone
-on their extracted caches (``decode_alone``).
+classes through its own adapter, finishing named rows (``finish``) and
+decoding them alone on their extracted caches (``decode_alone``).
 
 The model builds one attention mask per forward from the first layer's cache
 and hands it to every layer; ``MaskWidthProbe`` wraps the layers to check that
@@ -24,7 +25,7 @@ must not be trusted to report: which input columns of each row hold a
 request's tokens (``ForwardLayout``), when rows are settled, rolled back or
 extracted. ``tqbatch.workbench.serving_oracle`` uses it to check the caches.
 
-Under the default adapter the model must be an mlx-lm style module:
+Under ``TurboQuantLayersAdapter`` the model must be an mlx-lm style module:
 ``model(tokens, cache=list)`` returns logits ``(B, T, vocab)`` and
 ``model.layers`` is the list of blocks, called as ``block(x, mask, cache)``.
 """
@@ -54,6 +55,7 @@ __all__ = [
     "ModelAdapter",
     "Request",
     "ServerObserver",
+    "TurboQuantLayersAdapter",
     "cache_key_length",
 ]
 
@@ -274,17 +276,61 @@ DraftProposer = Callable[[Request, int], Sequence[int]]
 
 class ModelAdapter:
     """How the loop makes one model's caches, calls it, joins batches and rolls verify
-    blocks back.
+    blocks back: the one interface ``ContinuousBatcher`` takes.
 
-    This one is tqbatch's layout: every layer a quantized batch cache
-    (``batch_cache_class``, tqbatch's by default) except the ``dense_layers``
-    (default the last), which hold mlx-lm's ``BatchKVCache``; ``model(tokens,
-    cache=caches)`` returns logits; a joining batch is ``extend``-ed in place
-    and a verify block is rolled back by one ``trim`` of every cache, so every
-    row accepts the same number of drafts (``per_row_accepts`` False).
+    The caches are each subclass's own (``single_caches``, ``batch_caches``,
+    ``merge``). What is here serves a model called as ``model(tokens,
+    cache=caches)`` that returns logits: a joining batch is ``extend``-ed in
+    place and a verify block is rolled back by one ``trim`` of every cache, so
+    every row accepts the same number of drafts (``per_row_accepts`` False).
     """
 
     per_row_accepts = False
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def single_caches(self) -> list:
+        """Fresh single-request caches, one per layer."""
+        raise NotImplementedError
+
+    def batch_caches(self, left_padding: Sequence[int]) -> list:
+        """Fresh, empty batch caches with the given left padding, one per layer."""
+        raise NotImplementedError
+
+    def merge(self, singles: Sequence[list]) -> list:
+        """One batch cache per layer ``merge``-d from each request's single caches."""
+        raise NotImplementedError
+
+    def forward(self, tokens: mx.array, caches: list) -> mx.array:
+        """(B, T) tokens -> (B, T, vocab) logits, writing the tokens into ``caches``."""
+        return self.model(tokens, cache=caches)
+
+    def verify_forward(self, tokens: mx.array, caches: list, capture_layer_ids=None):
+        """A verify block's forward: (logits, the state ``roll_back`` needs)."""
+        if capture_layer_ids is not None:
+            raise ValueError("this adapter's model does not capture hidden states")
+        return self.forward(tokens, caches), None
+
+    def extend(self, caches: list, joining: list) -> list:
+        """The running batch's caches with a prefilled batch's rows appended."""
+        for mine, theirs in zip(caches, joining):
+            mine.extend(theirs)
+        return caches
+
+    def roll_back(self, caches: list, state, accepted: Sequence[int], block: int):
+        """Keep ``accepted[b] + 1`` of the ``block`` verified tokens of every row ``b``."""
+        (n,) = {block - 1 - a for a in accepted}
+        for c in caches:
+            if c.trim(n) != n:
+                raise RuntimeError(f"{type(c).__name__}.trim({n}) trimmed fewer slots")
+
+
+class TurboQuantLayersAdapter(ModelAdapter):
+    """tqbatch's layout: every layer a quantized batch cache (``batch_cache_class``, the
+    quantized batch cache under test: tqbatch's by default, the harness passes
+    ``load_impl()`` or a mutant) except the ``dense_layers`` (default the last), which
+    hold mlx-lm's ``BatchKVCache``."""
 
     def __init__(
         self,
@@ -295,12 +341,12 @@ class ModelAdapter:
         dense_layers: Sequence[int] | None = None,
         batch_cache_class: type = BatchTurboQuantKVCache,
     ):
+        super().__init__(model)
         n_layers = len(model.layers)
         dense = {n_layers - 1} if dense_layers is None else set(dense_layers)
         bad = sorted(i for i in dense if not 0 <= i < n_layers)
         if bad:
             raise ValueError(f"dense_layers {bad} out of range for {n_layers} layers")
-        self.model = model
         self.bits = bits
         self.seed = seed
         self.dense_layers = frozenset(dense)
@@ -334,68 +380,28 @@ class ModelAdapter:
             for i in range(self.n_layers)
         ]
 
-    def forward(self, tokens: mx.array, caches: list) -> mx.array:
-        """(B, T) tokens -> (B, T, vocab) logits, writing the tokens into ``caches``."""
-        return self.model(tokens, cache=caches)
-
-    def verify_forward(self, tokens: mx.array, caches: list, capture_layer_ids=None):
-        """A verify block's forward: (logits, the state ``roll_back`` needs)."""
-        if capture_layer_ids is not None:
-            raise ValueError("this adapter's model does not capture hidden states")
-        return self.forward(tokens, caches), None
-
-    def extend(self, caches: list, joining: list) -> list:
-        """The running batch's caches with a prefilled batch's rows appended."""
-        for mine, theirs in zip(caches, joining):
-            mine.extend(theirs)
-        return caches
-
-    def roll_back(self, caches: list, state, accepted: Sequence[int], block: int):
-        """Keep ``accepted[b] + 1`` of the ``block`` verified tokens of every row ``b``."""
-        (n,) = {block - 1 - a for a in accepted}
-        for c in caches:
-            if c.trim(n) != n:
-                raise RuntimeError(f"{type(c).__name__}.trim({n}) trimmed fewer slots")
-
 
 class ContinuousBatcher:
     """Continuous batched greedy decoding with one cache per layer.
 
     Args:
-        model: mlx-lm style language model (see the module docstring).
-        bits, seed, dense_layers, batch_cache_class: the default adapter's
-            (``ModelAdapter``); ``batch_cache_class`` is the quantized batch
-            cache under test (the harness passes ``load_impl()`` or a mutant).
+        adapter: the model and how to make its caches, call it, join and roll
+            back (``TurboQuantLayersAdapter``: tqbatch's layer layout).
         probe: check mask width against every layer's cache on each forward.
         observer: told the layout of every forward and every rollback,
             settling and extraction (see ``ServerObserver``).
-        adapter: how to make caches, call the model, join and roll back,
-            instead of the default (then ``bits`` to ``batch_cache_class`` are unused).
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        adapter: ModelAdapter,
         *,
-        bits: float = 4.0,
-        seed: int = 0,
-        dense_layers: Sequence[int] | None = None,
         probe: bool = True,
-        batch_cache_class: type = BatchTurboQuantKVCache,
         observer: ServerObserver | None = None,
-        adapter: ModelAdapter | None = None,
     ):
-        if adapter is None:
-            adapter = ModelAdapter(
-                model,
-                bits=bits,
-                seed=seed,
-                dense_layers=dense_layers,
-                batch_cache_class=batch_cache_class,
-            )
-        self.model = model
+        self.model = adapter.model
         self.adapter = adapter
-        self.probe = MaskWidthProbe(model) if probe else None
+        self.probe = MaskWidthProbe(adapter.model) if probe else None
         self.observer = observer if observer is not None else ServerObserver()
         self.active: list[Request] = []
         self.caches: list | None = None

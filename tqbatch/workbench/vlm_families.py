@@ -4,16 +4,16 @@ For testing a batch KV cache as a drop-in inside each family's real attention
 code: every model here is the family's own ``LanguageModel`` class from mlx-vlm
 0.7.10 (no vision/audio towers), shrunk to a few layers of hidden size 128,
 head_dim 64, at most 4 query / 2 KV heads, 128-wide MLPs and a 512-token
-vocabulary, in float32 and seeded so that ``build(name, seed)`` is
+vocabulary, in float32 and seeded so that ``SPECS[name].build(seed)`` is
 reproducible. Each family has enough layers that mlx-vlm's quantization rule
 (``mlx_vlm.models.cache.should_quantize_kv_layer``: the last cache layer stays
 full precision when there are more than two; rotating sliding-window caches and
 linear-attention ``ArraysCache`` layers are never quantized) leaves at least two
-full-attention layers on a quantized cache; see ``quantized_layers``.
+full-attention layers on a quantized cache; see ``VlmFamily.quantized_layers``.
 
 The caches come from mlx-vlm itself: ``make_single_cache`` is what it makes for
 one request and ``make_batch_cache`` is exactly ``mlx_vlm.generate.ar._make_cache``
-with ``kv_quant_scheme="turboquant"``. ``Family.module`` names the module whose
+with ``kv_quant_scheme="turboquant"``. ``VlmFamily.module`` names the module whose
 global ``scaled_dot_product_attention`` the family's attention layers call, the
 place to patch to route attention elsewhere.
 """
@@ -23,21 +23,24 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from tqbatch.workbench.family import Family
+from tqbatch.workbench.tiny_config import alternating_layers, tiny_shape, with_fields
+
 __all__ = [
+    "CONFIGS",
     "FAMILIES",
-    "Family",
     "SPECS",
-    "build",
+    "VlmFamily",
     "call_kwargs",
     "forward",
     "logits_of",
     "make_batch_cache",
     "make_single_cache",
-    "quantized_layers",
     "vocab_size",
 ]
 
@@ -54,45 +57,180 @@ FAMILIES: tuple[str, ...] = (
 )
 
 _SLIDING_WINDOW = 8  # small, so it bites in ~30-token runs
-_ALTERNATING = ["sliding_attention", "full_attention"] * 3  # full at 1, 3, 5
+_ALTERNATING = alternating_layers(6)  # full at 1, 3, 5
+
+# What every family's config holds unless its fields below say otherwise: head_dim
+# 64 throughout (families without a head_dim field derive it as hidden_size //
+# num_attention_heads, hence 2 query heads there), MLPs 128 wide: on a CPU most of
+# a forward's time is the matmuls.
+_SHAPE = dict(tiny_shape(hidden=128, head_dim=64, vocab=512), intermediate_size=128)
+
+# mlx-vlm family -> its config class's fields beyond _SHAPE; None drops a _SHAPE
+# field the class does not have. gemma4's (the Gemma 4 VLM's text_config) are
+# gemma4_text's: added below.
+CONFIGS: dict[str, dict] = {
+    "qwen2": dict(
+        model_type="qwen2",
+        num_hidden_layers=3,  # layers 0, 1 quantized; the last stays full precision
+        num_attention_heads=2,  # no head_dim field: 128 // 2 = 64
+        num_key_value_heads=1,
+        head_dim=None,
+        rms_norm_eps=1e-6,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        num_hidden_layers=3,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+    ),
+    "llama": dict(
+        model_type="llama",
+        num_hidden_layers=3,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        num_hidden_layers=6,
+        query_pre_attn_scalar=64,  # scale = head_dim ** -0.5
+        sliding_window=_SLIDING_WINDOW,
+        sliding_window_pattern=2,  # layer i is global iff i % 2 == 1: globals 1, 3, 5
+    ),
+    "gemma4_text": dict(
+        model_type="gemma4_text",
+        num_hidden_layers=6,
+        global_head_dim=64,  # full-attention layers would otherwise use 512
+        vocab_size_per_layer_input=512,
+        num_kv_shared_layers=0,  # every layer owns its cache
+        hidden_size_per_layer_input=0,  # per-layer input embeddings disabled
+        sliding_window=_SLIDING_WINDOW,
+        sliding_window_pattern=2,
+        layer_types=_ALTERNATING,
+    ),
+    "qwen3_5": dict(  # the text_config of a qwen3_5 ModelConfig (vision config left default)
+        model_type="qwen3_5_text",
+        num_hidden_layers=6,
+        full_attention_interval=2,  # layer i is full attention iff (i + 1) % 2 == 0: 1, 3, 5
+        # Gated-delta layers hold no KV cache; 32-wide heads keep their CPU fallback
+        # (a per-token loop) cheap. 2 value heads share 1 key head, as in real Qwen3.5.
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        # partial RoPE on 64 * 0.25 = 16 dims = 8 frequencies, split 3/3/2 over (t, h, w)
+        rope_parameters={
+            "type": "default",
+            "mrope_section": [3, 3, 2],
+            "rope_theta": 100000,
+            "partial_rotary_factor": 0.25,
+        },
+    ),
+    "lfm2": dict(
+        model_type="lfm2",
+        num_hidden_layers=6,
+        full_attn_idxs=[1, 3, 5],  # conv layers 0, 2, 4
+        intermediate_size=None,  # the MLP is block_ff_dim wide
+        num_attention_heads=2,  # no head_dim field: 128 // 2 = 64
+        num_key_value_heads=1,
+        head_dim=None,
+        max_position_embeddings=4096,
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=128,
+        block_ff_dim=128,
+        block_multiple_of=128,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,  # keep the MLP at exactly block_ff_dim
+    ),
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        num_hidden_layers=6,
+        num_local_experts=4,  # gpt_oss's MLP is always MoE
+        num_experts_per_tok=2,
+        intermediate_size=64,  # per expert: 2 active experts make 128, as the dense MLPs
+        sliding_window=_SLIDING_WINDOW,
+        layer_types=_ALTERNATING,
+    ),
+}
+CONFIGS["gemma4"] = CONFIGS["gemma4_text"]  # gemma4.config.TextConfig
 
 
 @dataclass(frozen=True)
-class Family:
-    name: str
-    module: str  # where the attention layers look up scaled_dot_product_attention
-    notes: str  # what is special about the family's cache handling
-    # The family's own batched prefill runs each left-padded row alone in a fresh
-    # full-precision KVCache and merges afterwards (qwen3_5): its requests alone
-    # are then prefilled at full precision and quantized after, as mlx-vlm does
-    # with quantized_kv_start, so that alone and batched attend the same prompt.
-    prefills_rows_in_full_precision: bool = False
-    # Scenarios the family's own code does not support, and why (cells marked N/A).
-    not_applicable: tuple[tuple[str, str], ...] = ()
+class VlmFamily(Family):
+    """An mlx-vlm family's ``LanguageModel`` under mlx-vlm's cache rule."""
+
+    library: ClassVar[str] = "mlx-vlm"
+
+    def build(self, seed: int = 0) -> nn.Module:
+        mx.random.seed(seed)
+        model = _construct(self.name, self.config)
+        model.eval()
+        mx.eval(model.parameters())
+        return model
+
+    def quantized_layers(self, model: nn.Module) -> list[int]:
+        """Layers that get mlx-vlm's ``BatchTurboQuantKVCache`` at 4 bits."""
+        from mlx_vlm.turboquant import BatchTurboQuantKVCache
+
+        caches = make_batch_cache(model, [0], 4.0)
+        return [i for i, c in enumerate(caches) if isinstance(c, BatchTurboQuantKVCache)]
+
+    def alone_caches(self, model: nn.Module, layers, quantized: bool, bits: float, seed: int):
+        from mlx_vlm.turboquant import TurboQuantKVCache
+
+        caches = make_single_cache(model)
+        if quantized:
+            for i in layers:
+                caches[i] = TurboQuantKVCache(bits=bits, seed=seed)
+        return caches
+
+    def batch_caches(self, model: nn.Module, left_padding, target_cls, bits: float, seed: int):
+        """mlx-vlm's batch caches, ``target_cls`` where it puts ``BatchTurboQuantKVCache``."""
+        from mlx_vlm.turboquant import BatchTurboQuantKVCache
+
+        if target_cls is None:
+            return make_batch_cache(model, list(left_padding), kv_bits=None)
+        caches = make_batch_cache(model, list(left_padding), kv_bits=bits)
+        return [
+            target_cls(list(left_padding), bits=bits, seed=seed)
+            if isinstance(c, BatchTurboQuantKVCache)
+            else c
+            for c in caches
+        ]
 
 
-SPECS: dict[str, Family] = {
+def _family(name: str, module: str, notes: str, **kwargs) -> VlmFamily:
+    return VlmFamily(name, module, notes, with_fields(_SHAPE, CONFIGS[name]), **kwargs)
+
+
+SPECS: dict[str, VlmFamily] = {
     f.name: f
     for f in (
-        Family(
+        _family(
             "qwen2",
             "mlx_vlm.models.qwen2.language",
             "no make_cache: one KVCache per layer; RoPE at cache.offset (a per-row array in a "
             "batch); one mask for all layers from cache[0].make_mask",
         ),
-        Family(
+        _family(
             "qwen3",
             "mlx_vlm.models.qwen3.language",
             "no make_cache: one KVCache per layer; q/k RMSNorm before RoPE at cache.offset; "
             "one mask for all layers from cache[0].make_mask",
         ),
-        Family(
+        _family(
             "llama",
             "mlx_vlm.models.llama.language",
             "make_cache: KVCache per full_attention layer (RotatingKVCache only for "
             "sliding layer_types, none here); mask from cache[fa_idx]",
         ),
-        Family(
+        _family(
             "gemma3_text",
             "mlx_vlm.models.gemma3.language",
             "gemma3's LanguageModel; sliding layers get RotatingKVCache -> "
@@ -100,14 +238,14 @@ SPECS: dict[str, Family] = {
             "cache[sliding_window_pattern-1], sliding mask from cache[0]; array masks "
             "sliced to kv_sequence_length(keys)",
         ),
-        Family(
+        _family(
             "gemma4_text",
             "mlx_vlm.models.gemma4_text.language",
             "sliding layers get RotatingKVCache; RoPE offset mx.array(cache.offset); one "
             "mask per layer type from that type's first cache; KV sharing off "
             "(num_kv_shared_layers=0: make_cache covers every layer)",
         ),
-        Family(
+        _family(
             "qwen3_5",
             "mlx_vlm.models.qwen3_5.language",
             "ArraysCache(size=2) on gated-delta layers (gets .left_padding), KVCache on full "
@@ -119,7 +257,7 @@ SPECS: dict[str, Family] = {
             "caches",
             prefills_rows_in_full_precision=True,
         ),
-        Family(
+        _family(
             "lfm2",
             "mlx_vlm.models.lfm2.language",
             "ArraysCache(size=1) conv state on conv layers (mask from its left_padding), "
@@ -127,14 +265,14 @@ SPECS: dict[str, Family] = {
             "rollback trims, then on ragged accepts calls prepare(right_padding=)/finalize() "
             "or zeroes dense keys/values tails past _idx",
         ),
-        Family(
+        _family(
             "gpt_oss",
             "mlx_vlm.models.gpt_oss.language",
             "sliding layers get RotatingKVCache; every attention call passes sinks "
             "(zero-init per-head logits), which rules out TurboQuant's fused kernels "
             "(dequantize + mx.fast SDPA with sinks); masks from cache[ga_idx]/cache[swa_idx]",
         ),
-        Family(
+        _family(
             "gemma4",
             "mlx_vlm.models.gemma4.language",
             "Gemma 4 VLM's text model: as gemma4_text, but the full-attention mask is an "
@@ -153,142 +291,6 @@ SPECS: dict[str, Family] = {
     )
 }
 
-# One plain config dict per family, passed to the family's own config class
-# (gemma4's, the Gemma 4 VLM's text_config, is gemma4_text's: added below).
-# head_dim is 64 throughout; families without a head_dim field derive it as
-# hidden_size // num_attention_heads, hence 2 query heads there. MLPs are 128
-# wide: on a CPU most of a forward's time is the matmuls.
-_CONFIGS: dict[str, dict] = {
-    "qwen2": dict(
-        model_type="qwen2",
-        hidden_size=128,
-        num_hidden_layers=3,  # layers 0, 1 quantized; the last stays full precision
-        intermediate_size=128,
-        num_attention_heads=2,  # no head_dim field: 128 // 2 = 64
-        num_key_value_heads=1,
-        rms_norm_eps=1e-6,
-        vocab_size=512,
-    ),
-    "qwen3": dict(
-        model_type="qwen3",
-        hidden_size=128,
-        num_hidden_layers=3,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        rms_norm_eps=1e-6,
-        vocab_size=512,
-        max_position_embeddings=4096,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=True,
-    ),
-    "llama": dict(
-        model_type="llama",
-        hidden_size=128,
-        num_hidden_layers=3,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        vocab_size=512,
-        max_position_embeddings=4096,
-    ),
-    "gemma3_text": dict(
-        model_type="gemma3_text",
-        hidden_size=128,
-        num_hidden_layers=6,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        query_pre_attn_scalar=64,  # scale = head_dim ** -0.5
-        vocab_size=512,
-        sliding_window=_SLIDING_WINDOW,
-        sliding_window_pattern=2,  # layer i is global iff i % 2 == 1: globals 1, 3, 5
-    ),
-    "gemma4_text": dict(
-        model_type="gemma4_text",
-        hidden_size=128,
-        num_hidden_layers=6,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        global_head_dim=64,  # full-attention layers would otherwise use 512
-        vocab_size=512,
-        vocab_size_per_layer_input=512,
-        num_kv_shared_layers=0,  # every layer owns its cache
-        hidden_size_per_layer_input=0,  # per-layer input embeddings disabled
-        sliding_window=_SLIDING_WINDOW,
-        sliding_window_pattern=2,
-        layer_types=_ALTERNATING,
-    ),
-    "qwen3_5": dict(  # the text_config of a qwen3_5 ModelConfig (vision config left default)
-        model_type="qwen3_5_text",
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        full_attention_interval=2,  # layer i is full attention iff (i + 1) % 2 == 0: 1, 3, 5
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        # Gated-delta layers hold no KV cache; 32-wide heads keep their CPU fallback
-        # (a per-token loop) cheap. 2 value heads share 1 key head, as in real Qwen3.5.
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        linear_conv_kernel_dim=4,
-        rms_norm_eps=1e-6,
-        vocab_size=512,
-        max_position_embeddings=4096,
-        # partial RoPE on 64 * 0.25 = 16 dims = 8 frequencies, split 3/3/2 over (t, h, w)
-        rope_parameters={
-            "type": "default",
-            "mrope_section": [3, 3, 2],
-            "rope_theta": 100000,
-            "partial_rotary_factor": 0.25,
-        },
-    ),
-    "lfm2": dict(
-        model_type="lfm2",
-        vocab_size=512,
-        hidden_size=128,
-        num_hidden_layers=6,
-        full_attn_idxs=[1, 3, 5],  # conv layers 0, 2, 4
-        num_attention_heads=2,  # no head_dim field: 128 // 2 = 64
-        num_key_value_heads=1,
-        max_position_embeddings=4096,
-        norm_eps=1e-5,
-        conv_bias=False,
-        conv_L_cache=3,
-        block_dim=128,
-        block_ff_dim=128,
-        block_multiple_of=128,
-        block_ffn_dim_multiplier=1.0,
-        block_auto_adjust_ff_dim=False,  # keep the MLP at exactly block_ff_dim
-    ),
-    "gpt_oss": dict(
-        model_type="gpt_oss",
-        num_hidden_layers=6,
-        num_local_experts=4,  # gpt_oss's MLP is always MoE
-        num_experts_per_tok=2,
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=64,  # per expert: 2 active experts make 128, as the dense MLPs
-        head_dim=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=_SLIDING_WINDOW,
-        layer_types=_ALTERNATING,
-    ),
-}
-
-
-_CONFIGS["gemma4"] = dict(_CONFIGS["gemma4_text"])  # gemma4.config.TextConfig
-
 
 def _config(cls, params: dict):
     """``cls.from_dict(params)``, refusing keys it would silently drop."""
@@ -298,8 +300,7 @@ def _config(cls, params: dict):
     return cls.from_dict(dict(params))
 
 
-def _construct(name: str) -> nn.Module:
-    params = _CONFIGS[name]
+def _construct(name: str, params: dict) -> nn.Module:
     if name == "gemma3_text":  # gemma3_text's ModelConfig, gemma3's LanguageModel
         from mlx_vlm.models.gemma3.language import LanguageModel
         from mlx_vlm.models.gemma3_text.config import ModelConfig
@@ -322,17 +323,6 @@ def _construct(name: str) -> nn.Module:
     config_cls = importlib.import_module(f"mlx_vlm.models.{name}.config").ModelConfig
     language = importlib.import_module(f"mlx_vlm.models.{name}.language")
     return language.LanguageModel(_config(config_cls, params))
-
-
-def build(name: str, seed: int = 0) -> nn.Module:
-    """The family's language model with seeded random float32 weights, evaluated."""
-    if name not in SPECS:
-        raise KeyError(f"unknown family {name!r}; expected one of {FAMILIES}")
-    mx.random.seed(seed)
-    model = _construct(name)
-    model.eval()
-    mx.eval(model.parameters())
-    return model
 
 
 def forward(model: nn.Module, tokens: mx.array, cache: list) -> mx.array:
@@ -396,11 +386,3 @@ def make_batch_cache(
     from mlx_vlm.generate.ar import _make_cache
 
     return _make_cache(model, list(left_padding), kv_bits=kv_bits, kv_quant_scheme="turboquant")
-
-
-def quantized_layers(model: nn.Module) -> list[int]:
-    """Layers that get mlx-vlm's ``BatchTurboQuantKVCache`` at 4 bits."""
-    from mlx_vlm.turboquant import BatchTurboQuantKVCache
-
-    caches = make_batch_cache(model, [0], 4.0)
-    return [i for i, c in enumerate(caches) if isinstance(c, BatchTurboQuantKVCache)]
