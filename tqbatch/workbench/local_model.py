@@ -1,0 +1,227 @@
+"""A tiny random-weight Qwen3 model directory that the real HTTP servers load by path.
+
+``write_model_dir(path, server="mlx-vlm" | "mlx-lm")`` writes config.json,
+generation_config.json, model.safetensors (seeded weights: one seed, one set of
+bytes) and a word-level tokenizer built locally with ``tokenizers``
+(tokenizer.json + tokenizer_config.json with a ChatML template), so that
+``python -m mlx_vlm.server --model DIR`` and ``python -m mlx_lm.server --model
+DIR`` serve it with nothing downloaded. Both libraries have a text-only
+``qwen3`` (mlx-vlm's ``mlx_vlm/models/qwen3`` is a bare language model, no
+vision tower; ``AutoProcessor`` on a directory holding only tokenizer files
+returns the tokenizer itself), and both read the same HF weight layout
+(mlx-vlm's ``sanitize`` prefixes ``language_model.``), so either directory
+loads in either library; ``server`` picks whose tiny qwen3 family config
+(``vlm_families`` / ``lm_families``) the config starts from.
+
+Greedy decoding must not hit ties or stop at once: ``lm_head`` is scaled so
+the logits spread with std ~``LOGIT_STD`` (top-2 gaps far above float noise),
+and the rows of the special tokens are zero, so their logit is exactly 0 while
+the top word's is several std above: greedy decoding never emits EOS and every
+greedy request runs to its ``max_tokens``.
+
+Starting the servers (set HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1):
+
+* mlx-vlm 0.7.10: ``python -m mlx_vlm.server --model DIR --host 127.0.0.1
+  --port P --max-num-seqs N --kv-bits 4 --kv-quant-scheme turboquant
+  --quantized-kv-start 0``. See ``SERVER_NOTES`` for readiness, requests and
+  responses, as measured.
+* mlx-lm 0.32.2: ``python -m mlx_lm.server --model DIR --host 127.0.0.1
+  --port P --decode-concurrency N --prompt-concurrency N``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from tqbatch.workbench import lm_families, vlm_families
+from tqbatch.workbench.tiny_config import tiny_shape, with_fields
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "EOS_TOKEN",
+    "LOGIT_STD",
+    "PAD_TOKEN",
+    "SERVERS",
+    "SPECIAL_TOKENS",
+    "WORDS",
+    "build_tokenizer",
+    "model_config",
+    "write_model_dir",
+]
+
+SERVERS: tuple[str, ...] = ("mlx-vlm", "mlx-lm")
+
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, "<|im_start|>", EOS_TOKEN, UNK_TOKEN)
+
+# The vocabulary after the special tokens: fixed, so token ids never move.
+WORDS: tuple[str, ...] = tuple(
+    """
+    . , ? ! : ; ' " ( ) - 0 1 2 3 4 5 6 7 8 9
+    a an the this that these those some any every each all no one two three four five
+    i you he she it we they me him her us them my your his its our their
+    is are was were be been am do does did have has had will would can could shall
+    should may might must not and or but if then so because while when where why how
+    what who which there here now today tomorrow yesterday always never often again
+    system user assistant hello hi please thanks yes ok sure sorry
+    time year day week month night morning evening hour minute second moment
+    people man woman child friend family teacher student doctor king queen
+    world country city town house home room door window table chair bed kitchen
+    water fire earth air sun moon star sky sea river lake mountain tree forest flower
+    cat dog bird fish horse cow sheep mouse lion bear
+    book page word letter story song music picture game ball car road train ship plane
+    food bread milk tea coffee apple cake rice egg soup
+    red blue green yellow black white orange purple brown gray
+    big small long short tall old new young good bad hot cold warm cool fast slow
+    happy sad easy hard early late near far high low open closed full empty light dark
+    go come run walk see look watch hear listen speak say tell ask answer think know
+    make take give get put keep find help try start stop play work read write sing
+    eat drink sleep wake live move turn bring carry hold open close begin end learn
+    in on at to from with without for of by about over under between after before
+    up down out into through around very more most less much many few only just also
+    """.split()
+)
+
+# ChatML, as Qwen's: the generation prompt opens the assistant's turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Std of the logits over the vocabulary at a unit-RMS final hidden state.
+LOGIT_STD = 4.0
+
+
+def build_tokenizer():
+    """The word-level ``tokenizers.Tokenizer``: special tokens, then ``WORDS``.
+
+    Whitespace pre-tokenization (splits words from punctuation, drops spaces and
+    newlines) and a WordPiece decoder, which joins tokens with spaces and glues
+    punctuation back on (``"hello , world"`` -> ``"hello, world"``).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
+    return tokenizer
+
+
+def vocab_size() -> int:
+    return len(SPECIAL_TOKENS) + len(WORDS)
+
+
+def model_config(server: str, *, layers: int = 2) -> dict:
+    """config.json's fields: ``server``'s tiny qwen3 family config at hidden 64.
+
+    4 query heads over 2 KV heads of head_dim 32, untied ``lm_head`` (scaled
+    apart from the embedding), vocab = the tokenizer's.
+    """
+    if server not in SERVERS:
+        raise ValueError(f"server must be one of {SERVERS}, not {server!r}")
+    family = (vlm_families if server == "mlx-vlm" else lm_families).CONFIGS["qwen3"]
+    tokens = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    return with_fields(
+        family,
+        dict(
+            tiny_shape(hidden=64, head_dim=32, vocab=vocab_size()),
+            architectures=["Qwen3ForCausalLM"],
+            model_type="qwen3",
+            num_hidden_layers=layers,
+            intermediate_size=128,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            torch_dtype="float32",
+            eos_token_id=tokens[EOS_TOKEN],
+            pad_token_id=tokens[PAD_TOKEN],
+            bos_token_id=None,
+        ),
+    )
+
+
+def _model_args(config: dict) -> dict:
+    """The qwen3 ModelArgs fields of ``config`` (what ``lm_families.build_model`` takes)."""
+    keep = {
+        "hidden_size",
+        "num_hidden_layers",
+        "intermediate_size",
+        "num_attention_heads",
+        "rms_norm_eps",
+        "vocab_size",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "head_dim",
+        "tie_word_embeddings",
+        "rope_theta",
+    }
+    return {k: v for k, v in config.items() if k in keep}
+
+
+def _weights(config: dict, seed: int) -> dict[str, mx.array]:
+    """Seeded float32 weights in the HF layout (``model.*``, ``lm_head.weight``)."""
+    # lm_families' init (normal(0, 1/fan_in), norms at 1): greedy output that does
+    # not collapse onto one repeated token.
+    model = lm_families.build_model("qwen3", _model_args(config), seed)
+    weights = dict(tree_flatten(model.parameters()))
+    # Rows of normal(0, 1/hidden) give logits of std 1 at a unit-RMS hidden state.
+    head = weights["lm_head.weight"] * LOGIT_STD
+    special = mx.arange(head.shape[0]) < len(SPECIAL_TOKENS)
+    weights["lm_head.weight"] = mx.where(special[:, None], 0.0, head)
+    return dict(sorted(weights.items()))
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def write_model_dir(path: str | Path, *, server: str, seed: int = 0, layers: int = 2) -> Path:
+    """Write a loadable tiny qwen3 model directory for ``server`` at ``path``.
+
+    The same ``seed`` writes byte-identical files. Returns the directory.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model_config(server, layers=layers)
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        dict(eos_token_id=config["eos_token_id"], pad_token_id=config["pad_token_id"]),
+    )
+    mx.save_safetensors(str(out / "model.safetensors"), _weights(config, seed), {"format": "mlx"})
+    build_tokenizer().save(str(out / "tokenizer.json"))
+    tokens = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    _write_json(
+        out / "tokenizer_config.json",
+        dict(
+            tokenizer_class="PreTrainedTokenizerFast",
+            chat_template=CHAT_TEMPLATE,
+            eos_token=EOS_TOKEN,
+            pad_token=PAD_TOKEN,
+            unk_token=UNK_TOKEN,
+            bos_token=None,
+            model_max_length=4096,
+            clean_up_tokenization_spaces=False,
+            added_tokens_decoder={
+                str(i): dict(
+                    content=t,
+                    special=True,
+                    lstrip=False,
+                    rstrip=False,
+                    normalized=False,
+                    single_word=False,
+                )
+                for t, i in tokens.items()
+            },
+        ),
+    )
+    return out
