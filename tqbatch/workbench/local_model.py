@@ -82,11 +82,12 @@ WORDS: tuple[str, ...] = tuple(
     happy sad easy hard early late near far high low open closed full empty light dark
     go come run walk see look watch hear listen speak say tell ask answer think know
     make take give get put keep find help try start stop play work read write sing
-    eat drink sleep wake live move turn bring carry hold open close begin end learn
+    eat drink sleep wake live move turn bring carry hold close begin end learn
     in on at to from with without for of by about over under between after before
     up down out into through around very more most less much many few only just also
     """.split()
 )
+assert len(set(WORDS)) == len(WORDS), "a repeated word would leave a gap in the token ids"
 
 # ChatML, as Qwen's: the generation prompt opens the assistant's turn.
 CHAT_TEMPLATE = (
@@ -97,7 +98,7 @@ CHAT_TEMPLATE = (
 )
 
 # Std of the logits over the vocabulary at a unit-RMS final hidden state.
-LOGIT_STD = 4.0
+LOGIT_STD = 8.0
 
 
 def build_tokenizer():
