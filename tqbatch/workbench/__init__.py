@@ -28,6 +28,8 @@ uses neither.
   ``BatchGenerator`` under that oracle. Each family is a ``family.Family``
   (its config, its build, its library's cache rule), chosen by name from
   ``families``; ``tiny_config`` holds the config pieces both kinds share.
+* ``local_model``: a tiny random-weight model directory with a tokenizer built
+  locally, which ``mlx_vlm.server`` and ``mlx_lm.server`` load by path.
 
 Every language model is built here: the harness judges cache operations and
 builds none (``tests/unit/test_import_direction.py`` holds it to that).
