@@ -75,10 +75,19 @@ def join_caches(cache_a: list, cache_b: list) -> list:
     return _VLM_EXTEND(cache_a, cache_b)
 
 
-def enable() -> None:
-    """Make mlx-vlm build and join tqbatch's batch cache (see the module docstring)."""
+def enable(batch_class: type = BatchTurboQuantKVCache) -> None:
+    """Make mlx-vlm build and join tqbatch's batch cache (see the module docstring).
+
+    ``batch_class``: a subclass of tqbatch's class to build instead (a test
+    double, a cache under test); it is called as mlx-vlm calls its own,
+    ``batch_class(left_padding, bits=..., key_bits=..., value_bits=...)``.
+    """
+    if not (isinstance(batch_class, type) and issubclass(batch_class, BatchTurboQuantKVCache)):
+        raise TypeError(
+            f"batch_class must be a subclass of tqbatch.BatchTurboQuantKVCache, got {batch_class!r}"
+        )
     with _LOCK:
-        _vlm_ar.BatchTurboQuantKVCache = BatchTurboQuantKVCache
+        _vlm_ar.BatchTurboQuantKVCache = batch_class
         _vlm_ar._extend_cache = join_caches
 
 
@@ -90,17 +99,19 @@ def disable() -> None:
 
 
 def is_enabled() -> bool:
-    """Whether mlx-vlm's batch path currently builds tqbatch's class."""
-    return getattr(_vlm_ar, _NAME) is BatchTurboQuantKVCache
+    """Whether mlx-vlm's batch path currently builds tqbatch's class (or a subclass)."""
+    return getattr(_vlm_ar, _NAME) is not _VLM_CLASS
 
 
 @contextmanager
-def enabled() -> Iterator[None]:
-    """``enable()`` for the block; on exit, disable only if it was not enabled before."""
-    was_enabled = is_enabled()
-    enable()
+def enabled(batch_class: type = BatchTurboQuantKVCache) -> Iterator[None]:
+    """``enable(batch_class)`` for the block; on exit, the class it found is built again."""
+    with _LOCK:
+        found, found_join = getattr(_vlm_ar, _NAME), _vlm_ar._extend_cache
+    enable(batch_class)
     try:
         yield
     finally:
-        if not was_enabled:
-            disable()
+        with _LOCK:
+            setattr(_vlm_ar, _NAME, found)
+            _vlm_ar._extend_cache = found_join

@@ -9,7 +9,8 @@ leaves mlx-vlm's own class in place (the same server and log, for comparison).
 with ARGS, every loaded model's ``make_cache`` giving TurboQuant caches of that
 configuration (``tqbatch.mlx_lm.install_make_cache``) and mlx-lm's attention
 routed to them (``tqbatch.mlx_lm.enable()``). mlx-lm's server then batches the
-requests (its own ``--kv-bits`` serves them one at a time).
+requests (its own ``--kv-bits`` serves them one at a time). ``--cache none``
+runs mlx-lm's server as it is, with the same log.
 
 Each batch cache the server builds and each join of two batches is logged on
 stderr, one line each starting ``tqbatch serve:``, naming the class, so that
@@ -20,24 +21,25 @@ batch. Exit codes: the server's own.
 from __future__ import annotations
 
 import argparse
+import importlib
+import logging
 import sys
 
+from tqbatch.exitcodes import ExitCode
+
 SERVERS = ("mlx-vlm", "mlx-lm")
+CACHES = ("tqbatch", "mlx-vlm", "none")
 LOG_PREFIX = "tqbatch serve:"
+_LOGGER = logging.getLogger("tqbatch.serve")
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help="run mlx-vlm's or mlx-lm's HTTP server on tqbatch's batch cache",
-        description=__doc__.split("\n\n")[1],
-    )
-    parser.add_argument("server", choices=SERVERS, help="whose server to run")
+def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache",
-        choices=("tqbatch", "mlx-vlm"),
+        choices=CACHES,
         default="tqbatch",
-        help="mlx-vlm's server only: whose TurboQuant batch cache it builds (default tqbatch)",
+        help="tqbatch (default): TurboQuant batches on tqbatch's class; mlx-vlm: mlx-vlm's "
+        "server on its own class; none: mlx-lm's server as it is (each still logged)",
     )
     parser.add_argument(
         "--bits", type=float, default=4.0, help="mlx-lm's server only: TurboQuant bits (default 4)"
@@ -46,84 +48,169 @@ def register(subparsers) -> None:
         "--seed", type=int, default=0, help="mlx-lm's server only: TurboQuant codec seed"
     )
     parser.add_argument(
+        "--impl",
+        metavar="MODULE:CLASS",
+        help="with --cache tqbatch: a subclass of tqbatch's class to serve on instead "
+        "(a cache under test, a mutant of tqbatch.testing.mutants)",
+    )
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="run mlx-vlm's or mlx-lm's HTTP server on tqbatch's batch cache",
+        description=__doc__.split("\n\n")[1],
+    )
+    _add_options(parser)
+    parser.add_argument("server", choices=SERVERS, help="whose server to run")
+    parser.add_argument(
         "server_args",
         nargs=argparse.REMAINDER,
-        metavar="-- ARGS",
-        help="the server's own arguments, after --",
+        metavar="[OPTIONS] -- ARGS",
+        help="this command's options may also follow the server's name; the server's own "
+        "arguments come after --",
     )
     parser.set_defaults(func=run)
 
 
+def _split(args: argparse.Namespace) -> list[str]:
+    """The server's arguments; options of this command given after the server's name are parsed
+    into ``args`` (argparse hands everything after the positional to the remainder)."""
+    rest = list(args.server_args)
+    if "--" not in rest:
+        return rest
+    cut = rest.index("--")
+    if rest[:cut]:
+        options = argparse.ArgumentParser(prog=f"tqbatch serve {args.server}")
+        _add_options(options)
+        options.parse_args(rest[:cut], namespace=args)
+    return rest[cut + 1 :]
+
+
 def run(args: argparse.Namespace) -> int:
-    server_args = list(args.server_args)
-    if server_args[:1] == ["--"]:
-        server_args = server_args[1:]
+    server_args = _split(args)
+    batch_class = None
+    if args.cache == "tqbatch":
+        from tqbatch import BatchTurboQuantKVCache
+        from tqbatch.testing.target import load_impl
+
+        batch_class = load_impl(args.impl) if args.impl else BatchTurboQuantKVCache
+        if not issubclass(batch_class, BatchTurboQuantKVCache):
+            print(f"{LOG_PREFIX} --impl must name a subclass of tqbatch's class", file=sys.stderr)
+            return ExitCode.USAGE
+    elif args.impl:
+        print(f"{LOG_PREFIX} --impl needs --cache tqbatch", file=sys.stderr)
+        return ExitCode.USAGE
     if args.server == "mlx-vlm":
-        return _serve_mlx_vlm(server_args, tqbatch_cache=args.cache == "tqbatch")
-    if args.cache != "tqbatch":
-        print("tqbatch serve: --cache applies to mlx-vlm's server only", file=sys.stderr)
-        return 2
-    return _serve_mlx_lm(server_args, bits=args.bits, seed=args.seed)
+        return _serve_mlx_vlm(server_args, batch_class=batch_class)
+    if args.cache == "mlx-vlm":
+        print(f"{LOG_PREFIX} mlx-lm's server has no mlx-vlm cache to keep", file=sys.stderr)
+        return ExitCode.USAGE
+    return _serve_mlx_lm(server_args, bits=args.bits, seed=args.seed, batch_class=batch_class)
 
 
 def log(message: str) -> None:
-    print(f"{LOG_PREFIX} {message}", file=sys.stderr, flush=True)
+    """One line of this command's log, through ``logging`` once the server has configured it.
+
+    The server's own records go through the root logger's handler, whose lock
+    keeps lines from different threads whole; a ``print`` beside them could
+    land in the middle of one. Before the server configures logging (a line
+    about the setup), the line is printed.
+    """
+    if logging.getLogger().handlers:
+        _LOGGER.info("%s %s", LOG_PREFIX, message)
+    else:
+        print(f"{LOG_PREFIX} {message}", file=sys.stderr, flush=True)
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _class_names(caches) -> str:
-    names = sorted({f"{type(c).__module__}.{type(c).__qualname__}" for c in caches})
-    return ", ".join(names)
+    return ", ".join(sorted({_qualified(type(c)) for c in caches}))
 
 
-def _serve_mlx_vlm(server_args: list[str], *, tqbatch_cache: bool) -> int:
+def _log_joins(module) -> None:
+    """Log each join of two batches by ``module._extend_cache`` (mlx-vlm's and mlx-lm's name)."""
+    extend_cache = module._extend_cache
+
+    def logged(cache_a, cache_b):
+        a, b = _class_names(cache_a or ()), _class_names(cache_b or ())
+        try:
+            joined = extend_cache(cache_a, cache_b)
+        except Exception as exc:
+            log(f"join failed: {a} + {b}: {type(exc).__name__}: {exc}")
+            raise
+        if cache_a and cache_b:
+            log(f"join: {a} + {b} -> {_class_names(joined)}")
+        return joined
+
+    module._extend_cache = logged
+
+
+def _serve_mlx_vlm(server_args: list[str], *, batch_class: type | None) -> int:
     from mlx_vlm.generate import ar
 
     import tqbatch.mlx_vlm
 
-    if tqbatch_cache:
-        tqbatch.mlx_vlm.enable()
-    make_cache, extend_cache = ar._make_cache, ar._extend_cache
+    if batch_class is not None:
+        tqbatch.mlx_vlm.enable(batch_class)
+    make_cache = ar._make_cache
 
     def logged_make_cache(model, left_padding, *a, **kw):
         caches = make_cache(model, left_padding, *a, **kw)
         log(f"batch of {len(left_padding)} rows on {_class_names(caches)}")
         return caches
 
-    def logged_extend_cache(cache_a, cache_b):
-        joined = extend_cache(cache_a, cache_b)
-        if cache_a and cache_b:
-            log(
-                f"join: {_class_names(cache_a)} + {_class_names(cache_b)} -> {_class_names(joined)}"
-            )
-        return joined
-
-    ar._make_cache, ar._extend_cache = logged_make_cache, logged_extend_cache
+    ar._make_cache = logged_make_cache
+    _log_joins(ar)
     from mlx_vlm.server.cli import main
 
+    owner = _qualified(batch_class) if batch_class else "mlx-vlm's own class"
+    log(f"mlx-vlm's server, TurboQuant batches on {owner}")
     sys.argv = ["mlx_vlm.server", *server_args]
-    owner = "tqbatch" if tqbatch_cache else "mlx-vlm"
-    log(f"mlx-vlm's server, TurboQuant batches on {owner}'s class")
     return _exit_code(main)
 
 
-def _serve_mlx_lm(server_args: list[str], *, bits: float, seed: int) -> int:
+def _serve_mlx_lm(
+    server_args: list[str], *, bits: float, seed: int, batch_class: type | None
+) -> int:
     from mlx_lm import server
+    from mlx_lm.models.cache import make_prompt_cache
 
     import tqbatch.mlx_lm
 
-    load = server.load
+    # The module: ``mlx_lm.generate`` as an attribute is the package's function of that name.
+    generate = importlib.import_module("mlx_lm.generate")
 
-    def load_with_tqbatch_caches(*a, **kw):
+    load, merge_caches = server.load, generate._merge_caches
+
+    def load_and_log(*a, **kw):
         loaded = load(*a, **kw)
         model = loaded[0]
-        tqbatch.mlx_lm.install_make_cache(model, bits=bits, seed=seed)
-        log(f"{type(model).__module__} caches: {_class_names(model.make_cache())}")
+        if batch_class is not None:
+            tqbatch.mlx_lm.install_make_cache(model, bits=bits, seed=seed, batch_class=batch_class)
+        log(f"each request's caches: {_class_names(make_prompt_cache(model))}")
         return loaded
 
-    server.load = load_with_tqbatch_caches
-    tqbatch.mlx_lm.enable()
+    def logged_merge_caches(caches):
+        merged = merge_caches(caches)
+        log(f"batch of {len(caches)} rows on {_class_names(merged)}")
+        return merged
+
+    server.load = load_and_log
+    generate._merge_caches = logged_merge_caches
+    _log_joins(generate)
+    if batch_class is not None:
+        tqbatch.mlx_lm.enable()
+        log(
+            f"mlx-lm's server, TurboQuant caches of {bits:g} bits, seed {seed}, "
+            f"batched on {_qualified(batch_class)}"
+        )
+    else:
+        log("mlx-lm's server, its own caches")
     sys.argv = ["mlx_lm.server", *server_args]
-    log(f"mlx-lm's server, TurboQuant caches {bits:g} bits seed {seed} (tqbatch)")
     return _exit_code(server.main)
 
 

@@ -1,0 +1,284 @@
+"""The HTTP server oracle: every response of a batch against the same request sent alone.
+
+A scenario's requests go to a real server process (``server_process``)
+together, as concurrent chat completions with greedy decoding; late ones are
+sent once the server's log shows the first batch built, so they join a
+running batch. Then each request is sent again, alone, to the same server.
+Each batched response must equal its alone run token for token; where both
+return log-probabilities, the largest difference over the shared tokens is
+reported beside the verdict (not judged: a batched forward is not bit-equal
+to the request alone, and that is the model's float rounding, not the cache's).
+The server's log says which cache classes served each request and whether the
+requests really shared a batch (``server_log``).
+
+Verdicts: PASS (the same tokens), FAIL (another token; the first differing
+position is reported), ERROR (the batched request got no answer: an HTTP
+error, as mlx-vlm's class gives when a full-precision group and a TurboQuant
+one meet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tqbatch.workbench.local_model import WORDS
+from tqbatch.workbench.server_log import BatchLog, read_batch_log
+from tqbatch.workbench.server_process import Launch, running
+
+__all__ = [
+    "SCENARIOS",
+    "Reply",
+    "Request",
+    "Scenario",
+    "ScenarioResult",
+    "Verdict",
+    "chat",
+    "run_scenario",
+]
+
+REQUEST_SECONDS = 120.0
+# How long a late request waits for the first batch to be built, and what says it was.
+LATE_WAIT_SECONDS = 30.0
+BATCH_BUILT = "tqbatch serve: batch of"
+# First words of the vocabulary are punctuation and digits; prompts use words.
+_PROMPT_WORDS = [w for w in WORDS if w.isalpha()]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One chat request: a prompt of ``words`` words drawn from ``seed``, greedy decoding."""
+
+    name: str
+    words: int
+    max_tokens: int = 24
+    late: bool = False
+    seed: int = 0
+
+    def prompt(self) -> str:
+        rng = np.random.default_rng([self.seed, self.words])
+        return " ".join(rng.choice(_PROMPT_WORDS, size=self.words).tolist())
+
+    def body(self, model: str) -> dict:
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": self.prompt()}],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "logprobs": True,
+            "stream": False,
+        }
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A server's answer to one request: its tokens and their log-probabilities, or its error."""
+
+    status: int
+    tokens: tuple[str, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    prompt_tokens: int | None = None
+    error: str | None = None
+
+
+def chat(base: str, model: str, request: Request) -> Reply:
+    """POST ``request`` to ``base``'s chat completions; the reply, or the HTTP error as one."""
+    data = json.dumps(request.body(model)).encode()
+    http = urllib.request.Request(
+        base + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(http, timeout=REQUEST_SECONDS) as response:
+            payload = json.load(response)
+    except urllib.error.HTTPError as exc:
+        return Reply(status=exc.code, error=exc.read().decode(errors="replace")[:300])
+    except (urllib.error.URLError, OSError) as exc:
+        return Reply(status=0, error=f"{type(exc).__name__}: {exc}")
+    content = payload["choices"][0]["logprobs"]["content"]
+    return Reply(
+        status=200,
+        # mlx-vlm names each token; mlx-lm gives its id (a name only with top_logprobs).
+        tokens=tuple(str(entry.get("token", entry.get("id"))) for entry in content),
+        logprobs=tuple(float(entry["logprob"]) for entry in content),
+        prompt_tokens=payload["usage"]["prompt_tokens"],
+    )
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Requests sent together (late ones once the first group decodes), on a server's flags."""
+
+    name: str
+    what: str
+    requests: tuple[Request, ...]
+    quantized_kv_start: int = 0
+
+    def launch(self, base: Launch) -> Launch:
+        return dataclasses.replace(base, quantized_kv_start=self.quantized_kv_start)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            "concurrent",
+            "four requests of mixed lengths at once",
+            tuple(Request(f"r{i}", words, seed=i) for i, words in enumerate((9, 23, 41, 70))),
+        ),
+        Scenario(
+            "late-arrival",
+            "two requests, then two more joining the running batch",
+            (
+                Request("r0", 30, max_tokens=48, seed=10),
+                Request("r1", 12, max_tokens=48, seed=11),
+                Request("late0", 20, late=True, seed=12),
+                Request("late1", 55, late=True, seed=13),
+            ),
+        ),
+        Scenario(
+            "kv-start",
+            "prompts on both sides of --quantized-kv-start 40: two short ones, then two long "
+            "ones joining them (a full-precision group meets a TurboQuant one)",
+            (
+                Request("short0", 10, max_tokens=48, seed=20),
+                Request("short1", 18, max_tokens=48, seed=21),
+                Request("long0", 50, late=True, seed=22),
+                Request("long1", 75, late=True, seed=23),
+            ),
+            quantized_kv_start=40,
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One request's batched reply against its alone reply."""
+
+    request: Request
+    status: str  # PASS, FAIL or ERROR
+    prompt_tokens: int | None
+    first_difference: int | None
+    logprob_gap: float | None
+    served_by: tuple[str, ...]  # the cache classes its rows were in, batched
+    served_alone_by: tuple[str, ...]  # and alone
+    batched: Reply
+    alone: Reply
+
+    def detail(self) -> str:
+        if self.status == "ERROR":
+            return f"HTTP {self.batched.status}: {(self.batched.error or '').strip()[:120]}"
+        if self.status == "FAIL":
+            i = self.first_difference
+            got = self.batched.tokens[i] if i < len(self.batched.tokens) else "(end)"
+            want = self.alone.tokens[i] if i < len(self.alone.tokens) else "(end)"
+            return f"token {i}: {got!r} batched, {want!r} alone"
+        return ""
+
+    def precision_differs(self) -> bool:
+        """Whether the server put this request in another precision batched than alone.
+
+        mlx-vlm's server decides per prefill group whether to quantize
+        (``--quantized-kv-start``): a short request alone stays full precision,
+        and the same request batched with a long one, or joined by one, is
+        quantized. Its tokens may then differ, by the server's choice, not the cache's.
+        """
+        return bool(self.served_by) and set(self.served_by) != set(self.served_alone_by)
+
+
+@dataclass
+class ScenarioResult:
+    scenario: Scenario
+    launch: Launch
+    verdicts: list[Verdict] = field(default_factory=list)
+    batch_log: BatchLog = field(default_factory=BatchLog)
+    alone_log: BatchLog = field(default_factory=BatchLog)
+    seconds: float = 0.0
+
+    def passed(self) -> bool:
+        return all(v.status == "PASS" for v in self.verdicts)
+
+
+def _first_difference(a: Sequence[str], b: Sequence[str]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _judge(
+    request: Request, batched: Reply, alone: Reply, batch_log: BatchLog, alone_log: BatchLog
+) -> Verdict:
+    tokens = batched.prompt_tokens if batched.prompt_tokens is not None else alone.prompt_tokens
+    served, served_alone = batch_log.classes_of(tokens), alone_log.classes_of(tokens)
+    if batched.status != 200 or alone.status != 200:
+        status, first, gap = "ERROR", None, None
+    else:
+        first = _first_difference(batched.tokens, alone.tokens)
+        shared = len(batched.tokens) if first is None else first
+        pairs = list(zip(batched.logprobs[:shared], alone.logprobs[:shared]))
+        gap = max((abs(x - y) for x, y in pairs), default=0.0)
+        status = "PASS" if first is None else "FAIL"
+    return Verdict(request, status, tokens, first, gap, served, served_alone, batched, alone)
+
+
+def _wait_for_first_batch(log_path: Path) -> None:
+    """Until the server's log shows its first batch cache built (``tqbatch serve``'s line)."""
+    deadline = time.monotonic() + LATE_WAIT_SECONDS
+    while time.monotonic() < deadline:
+        if BATCH_BUILT in log_path.read_text(errors="replace"):
+            return
+        time.sleep(0.002)
+
+
+def _send_together(
+    base: str, model: str, requests: Sequence[Request], log_path: Path
+) -> list[Reply]:
+    replies: list[Reply | None] = [None] * len(requests)
+
+    def send(i: int) -> None:
+        if requests[i].late:
+            _wait_for_first_batch(log_path)
+        replies[i] = chat(base, model, requests[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return replies  # type: ignore[return-value]
+
+
+def run_scenario(
+    base: Launch, scenario: Scenario, model_dir: Path, workdir: Path
+) -> ScenarioResult:
+    """Run ``scenario`` on a server started from ``base`` with the scenario's flags."""
+    lengths = [r.words for r in scenario.requests]
+    if len(set(lengths)) != len(lengths):
+        raise ValueError(f"{scenario.name}: requests need distinct prompt lengths (the log's key)")
+    launch = scenario.launch(base)
+    target = (launch.impl or launch.cache).replace(":", "-")
+    log_path = Path(workdir) / f"{scenario.name}-{launch.server}-{target}.log"
+    model = str(model_dir)
+    start = time.monotonic()
+    with running(launch, Path(model_dir), log_path) as url:
+        batched = _send_together(url, model, scenario.requests, log_path)
+        batch_text = log_path.read_text(errors="replace")
+        alone = [chat(url, model, r) for r in scenario.requests]
+        alone_text = log_path.read_text(errors="replace")[len(batch_text) :]
+    batch_log, alone_log = read_batch_log(batch_text), read_batch_log(alone_text)
+    result = ScenarioResult(scenario, launch, batch_log=batch_log, alone_log=alone_log)
+    result.verdicts = [
+        _judge(r, b, a, batch_log, alone_log) for r, b, a in zip(scenario.requests, batched, alone)
+    ]
+    result.seconds = time.monotonic() - start
+    return result
