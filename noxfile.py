@@ -164,6 +164,13 @@ def models(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHONS)
+def servers(session: nox.Session) -> None:
+    """Real mlx-vlm and mlx-lm HTTP servers, every scenario: the README's server table."""
+    _install_test(session)
+    session.run("tqbatch", "servers", "--markdown", *session.posargs, env=_backend_env())
+
+
+@nox.session(python=PYTHONS)
 def mutants(session: nox.Session) -> None:
     """Suite strength: the state machine must find every planted bug (its own settings)."""
     _install_test(session)

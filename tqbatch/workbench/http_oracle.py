@@ -121,6 +121,8 @@ class Scenario:
     what: str
     requests: tuple[Request, ...]
     quantized_kv_start: int = 0
+    # mlx-lm's server has no per-group deferral of quantization to test.
+    servers: tuple[str, ...] = ("mlx-vlm", "mlx-lm")
 
     def launch(self, base: Launch) -> Launch:
         return dataclasses.replace(base, quantized_kv_start=self.quantized_kv_start)
@@ -155,6 +157,7 @@ SCENARIOS: dict[str, Scenario] = {
                 Request("long1", 75, late=True, seed=23),
             ),
             quantized_kv_start=40,
+            servers=("mlx-vlm",),
         ),
     )
 }

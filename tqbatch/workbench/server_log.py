@@ -4,7 +4,8 @@
 rows on CLASS``) and every join of two batches (``join: A + B -> C``);
 mlx-vlm's server logs each request's ``Prefill started: request=ID ...
 prompt_tokens=N`` just before the batch of its prefill group is built, and
-``Decode completed: request=ID`` when it leaves. Read in order, a batch of N
+``Decode completed: request=ID`` when it leaves; a join that raised is logged
+as ``join failed: A + B: ERROR``. Read in order, a batch of N
 rows serves the last N requests whose prefill started, and a join serves
 every request still decoding. A request is known to its client by its
 ``prompt_tokens`` (the response's ``usage``), so a scenario gives its requests
@@ -22,6 +23,7 @@ _PREFILL = re.compile(r"Prefill started: request=(\S+) .*?prompt_tokens=(\d+)")
 _DONE = re.compile(r"Decode completed: request=(\S+)")
 _BATCH = re.compile(r"tqbatch serve: batch of (\d+) rows on (.+)$")
 _JOIN = re.compile(r"tqbatch serve: join: .* -> (.+)$")
+_JOIN_FAILED = re.compile(r"tqbatch serve: join failed: (.+)$")
 
 
 def _short(classes: str) -> set[str]:
@@ -39,6 +41,7 @@ class BatchLog:
     unattributed: set[str] = field(default_factory=set)
     batch_rows: list[int] = field(default_factory=list)  # rows of each prefill group's batch
     joins: int = 0
+    failed_joins: list[str] = field(default_factory=list)  # what each failed join raised
     # The most requests decoding at once, as the log orders them.
     most_in_flight: int = 0
 
@@ -75,6 +78,8 @@ def read_batch_log(text: str) -> BatchLog:
                 result.unattributed |= _short(m.group(1))
             for tokens in decoding.values():
                 result.served_by.setdefault(tokens, set()).update(_short(m.group(1)))
+        elif m := _JOIN_FAILED.search(line):
+            result.failed_joins.append(m.group(1))
         elif m := _DONE.search(line):
             decoding.pop(m.group(1), None)
     return result

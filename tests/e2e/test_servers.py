@@ -1,0 +1,90 @@
+"""Real HTTP servers on tqbatch's cache: ``tqbatch serve`` and the server oracle.
+
+mlx-vlm's and mlx-lm's server processes are started on 127.0.0.1 with a tiny
+local model (``tqbatch.workbench.local_model``), sent requests over HTTP, and
+stopped. The small scenario set runs here; ``nox -s servers`` runs them all.
+Which requests share a batch is the server's scheduling: the assertions read
+the server's log for what happened (a join, a failed join) rather than assume it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tqbatch.workbench import server_report
+from tqbatch.workbench.http_oracle import SCENARIOS, Request, chat, run_scenario
+from tqbatch.workbench.local_model import write_model_dir
+from tqbatch.workbench.server_log import read_batch_log
+from tqbatch.workbench.server_process import Launch, running
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        server: write_model_dir(root / server, server=server) for server in ("mlx-vlm", "mlx-lm")
+    }
+
+
+@pytest.mark.parametrize("server", ["mlx-vlm", "mlx-lm"])
+def test_tqbatch_serve_serves_a_request_on_tqbatch_class(server, model_dirs, tmp_path):
+    log_path = tmp_path / "server.log"
+    with running(Launch(server=server, cache="tqbatch"), model_dirs[server], log_path) as url:
+        reply = chat(url, str(model_dirs[server]), Request("one", 12, max_tokens=8))
+    assert reply.status == 200, reply.error
+    assert len(reply.tokens) == 8  # the model never emits EOS (local_model)
+    log = read_batch_log(log_path.read_text())
+    assert log.classes_of(reply.prompt_tokens) == ("BatchTurboQuantKVCache",)
+
+
+def _run(server, cache, names, model_dirs, tmp_path, impl=None):
+    launch = Launch(server=server, cache=cache, impl=impl)
+    return [run_scenario(launch, SCENARIOS[n], model_dirs[server], tmp_path) for n in names]
+
+
+def test_every_request_on_tqbatch_equals_its_alone_run_or_the_server_says_why(model_dirs, tmp_path):
+    results = [
+        *_run("mlx-vlm", "tqbatch", ["concurrent", "kv-start"], model_dirs, tmp_path),
+        *_run("mlx-vlm", "BatchKVCache", ["concurrent", "kv-start"], model_dirs, tmp_path),
+        *_run("mlx-lm", "tqbatch", ["concurrent"], model_dirs, tmp_path),
+        *_run("mlx-lm", "BatchKVCache", ["concurrent"], model_dirs, tmp_path),
+    ]
+    assert server_report.unexplained(results) == []
+    for result in results:
+        assert result.batch_log.shared(), f"{result.launch.label}, {result.scenario.name}"
+        if result.launch.cache == "BatchKVCache":  # no quantization: batching changes nothing
+            assert [v.status for v in result.verdicts] == ["PASS"] * len(result.verdicts)
+        for v in result.verdicts:
+            served = set(v.served_by)
+            want = (
+                {"BatchTurboQuantKVCache"} if result.launch.cache == "tqbatch" else {"BatchKVCache"}
+            )
+            # kv-start's short requests may start full precision, by the server's choice.
+            assert want <= served or result.scenario.name == "kv-start", (v, served)
+        assert not result.batch_log.failed_joins, result.batch_log.failed_joins
+
+
+def test_mlx_vlm_class_fails_where_a_full_precision_batch_meets_a_turboquant_one(
+    model_dirs, tmp_path
+):
+    """The README's finding: when the join raises, every request of the batch gets HTTP 500.
+
+    Whether the server joins the two groups is its scheduling; the log says.
+    """
+    (result,) = _run("mlx-vlm", "mlx-vlm", ["kv-start"], model_dirs, tmp_path)
+    log = result.batch_log
+    statuses = {v.status for v in result.verdicts}
+    if log.failed_joins:
+        assert all("TurboQuant" in failure for failure in log.failed_joins), log.failed_joins
+        assert statuses == {"ERROR"}
+    else:
+        assert "ERROR" not in statuses, (log, result.verdicts)
+
+
+def test_a_cache_with_a_mask_bug_fails_through_the_server(model_dirs, tmp_path):
+    """The oracle can fail: a mutant whose mask hides a left-padded row's tokens."""
+    impl = "tqbatch.testing.mutants:HandWrittenMaskHidesLeftPadded"
+    (result,) = _run("mlx-vlm", "tqbatch", ["concurrent"], model_dirs, tmp_path, impl=impl)
+    assert result.batch_log.shared()
+    problems = server_report.unexplained([result])
+    assert problems and all("FAIL" in p for p in problems), problems

@@ -1,0 +1,122 @@
+"""The HTTP server oracle's table: one row per request, each verdict explained where it can be.
+
+A request's batched reply that differs from its alone reply is the cache's
+failure unless the server explains it:
+
+* ``precision``: the server quantized the request in the batch and not alone
+  (mlx-vlm's ``--quantized-kv-start`` decides per prefill group: a short
+  request joined by a long one is quantized with it);
+* ``baseline``: the same request differs on the same server with no
+  quantization (``BatchKVCache``), so the server's batching changes it
+  whatever the cache.
+
+``unexplained`` lists the rows of the caches under test (tqbatch's class or a
+subclass) that fail with neither reason; a scenario whose requests never
+shared a batch checked nothing, and is listed too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqbatch.workbench.http_oracle import ScenarioResult, Verdict
+
+__all__ = ["COLUMNS", "explanation", "rows", "render", "unexplained"]
+
+COLUMNS = (
+    "server",
+    "cache",
+    "scenario",
+    "request",
+    "prompt tokens",
+    "verdict",
+    "first difference",
+    "max logprob gap",
+    "served by (batched / alone)",
+    "why",
+)
+UNDER_TEST = "tqbatch"
+
+
+def _baseline(results: Sequence[ScenarioResult], result: ScenarioResult) -> ScenarioResult | None:
+    for other in results:
+        if (
+            other.launch.cache == "BatchKVCache"
+            and other.launch.server == result.launch.server
+            and other.scenario.name == result.scenario.name
+        ):
+            return other
+    return None
+
+
+def explanation(results: Sequence[ScenarioResult], result: ScenarioResult, verdict: Verdict) -> str:
+    """Why ``verdict`` is the server's (see the module docstring), or "" where nothing says so."""
+    if verdict.status == "PASS":
+        return ""
+    if verdict.precision_differs():
+        return "precision: quantized batched, full precision alone (the server's per-group choice)"
+    baseline = _baseline(results, result)
+    if baseline is not None:
+        for other in baseline.verdicts:
+            if other.request == verdict.request and other.status != "PASS":
+                return "baseline: BatchKVCache differs too"
+    return ""
+
+
+def _served(verdict: Verdict) -> str:
+    return f"{', '.join(verdict.served_by) or '?'} / {', '.join(verdict.served_alone_by) or '?'}"
+
+
+def rows(results: Sequence[ScenarioResult]) -> list[tuple[str, ...]]:
+    """The table's rows, in the order the results ran."""
+    table = []
+    for result in results:
+        for v in result.verdicts:
+            gap = "" if v.logprob_gap is None else f"{v.logprob_gap:.1e}"
+            first = "" if v.first_difference is None else str(v.first_difference)
+            why = explanation(results, result, v) or (v.detail() if v.status != "PASS" else "")
+            table.append(
+                (
+                    result.launch.server,
+                    result.launch.impl or result.launch.cache,
+                    result.scenario.name,
+                    v.request.name,
+                    "" if v.prompt_tokens is None else str(v.prompt_tokens),
+                    v.status,
+                    first,
+                    gap,
+                    _served(v),
+                    why,
+                )
+            )
+    return table
+
+
+def unexplained(results: Sequence[ScenarioResult]) -> list[str]:
+    """What fails the run: requests of the caches under test failing with no server reason,
+    and scenarios whose requests never shared a batch."""
+    problems = []
+    for result in results:
+        if result.launch.cache != UNDER_TEST:
+            continue
+        where = f"{result.launch.label}, {result.scenario.name}"
+        if not result.batch_log.shared():
+            problems.append(f"{where}: the requests never shared a batch (nothing was checked)")
+        for v in result.verdicts:
+            if v.status != "PASS" and not explanation(results, result, v):
+                problems.append(f"{where}, {v.request.name}: {v.status} {v.detail()}")
+    return problems
+
+
+def render(results: Sequence[ScenarioResult], *, markdown: bool) -> str:
+    """The table as markdown or as aligned text."""
+    table = rows(results)
+    if markdown:
+        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += [
+            "| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table
+        ]
+        return "\n".join(lines)
+    widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(COLUMNS)]
+    fmt = "  ".join(f"{{:{w}}}" for w in widths)
+    return "\n".join([fmt.format(*COLUMNS), *(fmt.format(*row) for row in table)])
