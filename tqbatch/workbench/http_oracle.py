@@ -33,7 +33,7 @@ import numpy as np
 
 from tqbatch.workbench.local_model import WORDS
 from tqbatch.workbench.server_log import BatchLog, read_batch_log
-from tqbatch.workbench.server_process import Launch, running
+from tqbatch.workbench.server_process import Launch, ServerFailed, running
 
 __all__ = [
     "SCENARIOS",
@@ -56,26 +56,44 @@ _PROMPT_WORDS = [w for w in WORDS if w.isalpha()]
 
 @dataclass(frozen=True)
 class Request:
-    """One chat request: a prompt of ``words`` words drawn from ``seed``, greedy decoding."""
+    """One chat request: a prompt of ``words`` words drawn from ``seed``, greedy decoding.
+
+    ``follows``: the name of a scenario's earlier turn; the request is that
+    turn's prompt and reply, then its own prompt (a conversation going on,
+    whose prefix a server can reuse). ``disconnect_after``: the request
+    streams and its client hangs up after that many chunks (it gets no
+    verdict; the others must not notice). ``malformed``: its body is not a
+    valid request (the server must refuse it and go on).
+    """
 
     name: str
     words: int
     max_tokens: int = 24
     late: bool = False
     seed: int = 0
+    follows: str | None = None
+    disconnect_after: int | None = None
+    malformed: bool = False
+
+    @property
+    def judged(self) -> bool:
+        """Whether its batched reply is compared with an alone run."""
+        return self.disconnect_after is None and not self.malformed
 
     def prompt(self) -> str:
         rng = np.random.default_rng([self.seed, self.words])
         return " ".join(rng.choice(_PROMPT_WORDS, size=self.words).tolist())
 
-    def body(self, model: str) -> dict:
+    def body(self, model: str, history: Sequence[dict] = ()) -> dict:
+        messages = [*history, {"role": "user", "content": self.prompt()}]
         return {
             "model": model,
-            "messages": [{"role": "user", "content": self.prompt()}],
+            # A malformed request: a message without its content.
+            "messages": [{"role": "user"}] if self.malformed else messages,
             "max_tokens": self.max_tokens,
             "temperature": 0.0,
             "logprobs": True,
-            "stream": False,
+            "stream": self.disconnect_after is not None,
         }
 
 
@@ -87,29 +105,47 @@ class Reply:
     tokens: tuple[str, ...] = ()
     logprobs: tuple[float, ...] = ()
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server took from its prefix cache
+    text: str = ""
     error: str | None = None
 
 
-def chat(base: str, model: str, request: Request) -> Reply:
-    """POST ``request`` to ``base``'s chat completions; the reply, or the HTTP error as one."""
-    data = json.dumps(request.body(model)).encode()
+def _post(base: str, body: dict):
     http = urllib.request.Request(
-        base + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
+        base + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
     )
+    return urllib.request.urlopen(http, timeout=REQUEST_SECONDS)
+
+
+def chat(base: str, model: str, request: Request, history: Sequence[dict] = ()) -> Reply:
+    """POST ``request`` to ``base``'s chat completions; the reply, or the HTTP error as one.
+
+    A request that disconnects reads that many lines of its stream, then closes.
+    """
     try:
-        with urllib.request.urlopen(http, timeout=REQUEST_SECONDS) as response:
+        with _post(base, request.body(model, history)) as response:
+            if request.disconnect_after is not None:
+                for _ in range(request.disconnect_after):
+                    response.readline()
+                return Reply(status=response.status, error="disconnected")
             payload = json.load(response)
     except urllib.error.HTTPError as exc:
         return Reply(status=exc.code, error=exc.read().decode(errors="replace")[:300])
     except (urllib.error.URLError, OSError) as exc:
         return Reply(status=0, error=f"{type(exc).__name__}: {exc}")
-    content = payload["choices"][0]["logprobs"]["content"]
+    choice = payload["choices"][0]
+    content = choice["logprobs"]["content"]
+    usage = payload["usage"]
     return Reply(
         status=200,
         # mlx-vlm names each token; mlx-lm gives its id (a name only with top_logprobs).
         tokens=tuple(str(entry.get("token", entry.get("id"))) for entry in content),
         logprobs=tuple(float(entry["logprob"]) for entry in content),
-        prompt_tokens=payload["usage"]["prompt_tokens"],
+        prompt_tokens=usage["prompt_tokens"],
+        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        text=choice["message"]["content"],
     )
 
 
@@ -121,6 +157,8 @@ class Scenario:
     what: str
     requests: tuple[Request, ...]
     quantized_kv_start: int = 0
+    # Sent one at a time before the batch (not judged): the turns that requests follow.
+    turns_before: tuple[Request, ...] = ()
     # mlx-lm's server has no per-group deferral of quantization to test.
     servers: tuple[str, ...] = ("mlx-vlm", "mlx-lm")
 
@@ -159,6 +197,29 @@ SCENARIOS: dict[str, Scenario] = {
             quantized_kv_start=40,
             servers=("mlx-vlm",),
         ),
+        Scenario(
+            "follow-up",
+            "a conversation's second turn (its first turn asked before, alone) with two other "
+            "requests: a server with a prefix cache reuses the first turn",
+            (
+                Request("follow0", 11, follows="turn0", seed=31),
+                Request("r1", 27, seed=32),
+                Request("r2", 44, seed=33),
+            ),
+            turns_before=(Request("turn0", 16, seed=30),),
+        ),
+        Scenario(
+            "faults",
+            "a streaming client that hangs up after 3 chunks and a malformed request, among "
+            "requests that must not notice, one of them late",
+            (
+                Request("r0", 20, max_tokens=48, seed=40),
+                Request("r1", 33, max_tokens=48, seed=41),
+                Request("hangup", 25, max_tokens=200, disconnect_after=3, seed=42),
+                Request("malformed", 5, malformed=True),
+                Request("late0", 41, late=True, seed=43),
+            ),
+        ),
     )
 }
 
@@ -178,6 +239,10 @@ class Verdict:
     alone: Reply
 
     def detail(self) -> str:
+        if self.status in ("REFUSED", "NOT REFUSED"):
+            return f"malformed: HTTP {self.batched.status}"
+        if self.status == "DISCONNECTED":
+            return f"hung up after {self.request.disconnect_after} chunks"
         if self.status == "ERROR":
             return f"HTTP {self.batched.status}: {(self.batched.error or '').strip()[:120]}"
         if self.status == "FAIL":
@@ -208,7 +273,7 @@ class ScenarioResult:
     seconds: float = 0.0
 
     def passed(self) -> bool:
-        return all(v.status == "PASS" for v in self.verdicts)
+        return all(v.status == "PASS" for v in self.verdicts if v.request.judged)
 
 
 def _first_difference(a: Sequence[str], b: Sequence[str]) -> int | None:
@@ -223,6 +288,12 @@ def _judge(
 ) -> Verdict:
     tokens = batched.prompt_tokens if batched.prompt_tokens is not None else alone.prompt_tokens
     served, served_alone = batch_log.classes_of(tokens), alone_log.classes_of(tokens)
+    if request.disconnect_after is not None:
+        status = "DISCONNECTED" if batched.status == 200 else "ERROR"
+        return Verdict(request, status, None, None, None, served, (), batched, alone)
+    if request.malformed:
+        status = "REFUSED" if 400 <= batched.status < 500 else "NOT REFUSED"
+        return Verdict(request, status, None, None, None, (), (), batched, alone)
     if batched.status != 200 or alone.status != 200:
         status, first, gap = "ERROR", None, None
     else:
@@ -234,24 +305,40 @@ def _judge(
     return Verdict(request, status, tokens, first, gap, served, served_alone, batched, alone)
 
 
-def _wait_for_first_batch(log_path: Path) -> None:
-    """Until the server's log shows its first batch cache built (``tqbatch serve``'s line)."""
+def _wait_for_first_batch(log_path: Path, offset: int) -> None:
+    """Until the server's log, past ``offset``, shows a batch cache built (tqbatch serve's line)."""
     deadline = time.monotonic() + LATE_WAIT_SECONDS
     while time.monotonic() < deadline:
-        if BATCH_BUILT in log_path.read_text(errors="replace"):
+        if BATCH_BUILT in log_path.read_text(errors="replace")[offset:]:
             return
         time.sleep(0.002)
 
 
+def _history(request: Request, earlier: dict[str, tuple[Request, Reply]]) -> list[dict]:
+    """The conversation before ``request``: the turn it follows, asked and answered."""
+    if request.follows is None:
+        return []
+    turn, reply = earlier[request.follows]
+    return [
+        {"role": "user", "content": turn.prompt()},
+        {"role": "assistant", "content": reply.text},
+    ]
+
+
 def _send_together(
-    base: str, model: str, requests: Sequence[Request], log_path: Path
+    base: str,
+    model: str,
+    requests: Sequence[Request],
+    earlier: dict[str, tuple[Request, Reply]],
+    log_path: Path,
+    offset: int,
 ) -> list[Reply]:
     replies: list[Reply | None] = [None] * len(requests)
 
     def send(i: int) -> None:
         if requests[i].late:
-            _wait_for_first_batch(log_path)
-        replies[i] = chat(base, model, requests[i])
+            _wait_for_first_batch(log_path, offset)
+        replies[i] = chat(base, model, requests[i], _history(requests[i], earlier))
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
     for t in threads:
@@ -265,7 +352,7 @@ def run_scenario(
     base: Launch, scenario: Scenario, model_dir: Path, workdir: Path
 ) -> ScenarioResult:
     """Run ``scenario`` on a server started from ``base`` with the scenario's flags."""
-    lengths = [r.words for r in scenario.requests]
+    lengths = [r.words for r in scenario.requests if r.judged]
     if len(set(lengths)) != len(lengths):
         raise ValueError(f"{scenario.name}: requests need distinct prompt lengths (the log's key)")
     launch = scenario.launch(base)
@@ -274,10 +361,20 @@ def run_scenario(
     model = str(model_dir)
     start = time.monotonic()
     with running(launch, Path(model_dir), log_path) as url:
-        batched = _send_together(url, model, scenario.requests, log_path)
+        earlier = {}
+        for turn in scenario.turns_before:  # one at a time, before the batch
+            earlier[turn.name] = (turn, chat(url, model, turn, _history(turn, earlier)))
+            if earlier[turn.name][1].status != 200:
+                raise ServerFailed(f"{scenario.name}: turn {turn.name}: {earlier[turn.name][1]}")
+        offset = len(log_path.read_text(errors="replace"))
+        batched = _send_together(url, model, scenario.requests, earlier, log_path, offset)
         batch_text = log_path.read_text(errors="replace")
-        alone = [chat(url, model, r) for r in scenario.requests]
+        alone = [
+            chat(url, model, r, _history(r, earlier)) if r.judged else Reply(status=0)
+            for r in scenario.requests
+        ]
         alone_text = log_path.read_text(errors="replace")[len(batch_text) :]
+        batch_text = batch_text[offset:]
     batch_log, alone_log = read_batch_log(batch_text), read_batch_log(alone_text)
     result = ScenarioResult(scenario, launch, batch_log=batch_log, alone_log=alone_log)
     result.verdicts = [

@@ -51,7 +51,7 @@ def _baseline(results: Sequence[ScenarioResult], result: ScenarioResult) -> Scen
 
 def explanation(results: Sequence[ScenarioResult], result: ScenarioResult, verdict: Verdict) -> str:
     """Why ``verdict`` is the server's (see the module docstring), or "" where nothing says so."""
-    if verdict.status == "PASS":
+    if verdict.status == "PASS" or not verdict.request.judged:
         return ""
     if verdict.precision_differs():
         return "precision: quantized batched, full precision alone (the server's per-group choice)"
@@ -61,6 +61,14 @@ def explanation(results: Sequence[ScenarioResult], result: ScenarioResult, verdi
             if other.request == verdict.request and other.status != "PASS":
                 return "baseline: BatchKVCache differs too"
     return ""
+
+
+def _prompt(verdict: Verdict) -> str:
+    """Prompt tokens, with those the server took from its prefix cache in parentheses."""
+    if verdict.prompt_tokens is None:
+        return ""
+    cached = verdict.batched.cached_tokens
+    return f"{verdict.prompt_tokens} ({cached} cached)" if cached else str(verdict.prompt_tokens)
 
 
 def _served(verdict: Verdict) -> str:
@@ -74,14 +82,14 @@ def rows(results: Sequence[ScenarioResult]) -> list[tuple[str, ...]]:
         for v in result.verdicts:
             gap = "" if v.logprob_gap is None else f"{v.logprob_gap:.1e}"
             first = "" if v.first_difference is None else str(v.first_difference)
-            why = explanation(results, result, v) or (v.detail() if v.status != "PASS" else "")
+            why = explanation(results, result, v) or v.detail()
             table.append(
                 (
                     result.launch.server,
                     result.launch.impl or result.launch.cache,
                     result.scenario.name,
                     v.request.name,
-                    "" if v.prompt_tokens is None else str(v.prompt_tokens),
+                    _prompt(v),
                     v.status,
                     first,
                     gap,
@@ -103,7 +111,7 @@ def unexplained(results: Sequence[ScenarioResult]) -> list[str]:
         if not result.batch_log.shared():
             problems.append(f"{where}: the requests never shared a batch (nothing was checked)")
         for v in result.verdicts:
-            if v.status != "PASS" and not explanation(results, result, v):
+            if v.request.judged and v.status != "PASS" and not explanation(results, result, v):
                 problems.append(f"{where}, {v.request.name}: {v.status} {v.detail()}")
     return problems
 
