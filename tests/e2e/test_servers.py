@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tqbatch.workbench import server_report
-from tqbatch.workbench.http_oracle import SCENARIOS, Request, chat, run_scenario
+from tqbatch.workbench.http_oracle import SCENARIOS, Request, chat, run_load, run_scenario
 from tqbatch.workbench.local_model import write_model_dir
 from tqbatch.workbench.server_log import read_batch_log
 from tqbatch.workbench.server_process import Launch, running
@@ -29,8 +29,10 @@ def model_dirs(tmp_path_factory):
 @pytest.mark.parametrize("server", ["mlx-vlm", "mlx-lm"])
 def test_tqbatch_serve_serves_a_request_on_tqbatch_class(server, model_dirs, tmp_path):
     log_path = tmp_path / "server.log"
-    with running(Launch(server=server, cache="tqbatch"), model_dirs[server], log_path) as url:
-        reply = chat(url, str(model_dirs[server]), Request("one", 12, max_tokens=8))
+    with running(
+        Launch(server=server, cache="tqbatch"), model_dirs[server], log_path
+    ) as running_server:
+        reply = chat(running_server.url, str(model_dirs[server]), Request("one", 12, max_tokens=8))
     assert reply.status == 200, reply.error
     assert len(reply.tokens) == 8  # the model never emits EOS (local_model)
     log = read_batch_log(log_path.read_text())
@@ -88,3 +90,18 @@ def test_a_cache_with_a_mask_bug_fails_through_the_server(model_dirs, tmp_path):
     assert result.batch_log.shared()
     problems = server_report.unexplained([result])
     assert problems and all("FAIL" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("server", ["mlx-vlm", "mlx-lm"])
+def test_under_load_every_reply_on_tqbatch_equals_its_alone_run(server, model_dirs, tmp_path):
+    result = run_load(
+        Launch(server=server, cache="tqbatch"),
+        model_dirs[server],
+        tmp_path,
+        requests=12,
+        concurrency=4,
+    )
+    assert server_report.load_problems([result]) == []
+    assert len(result.verdicts) == 12
+    assert result.completion_tokens == 12 * 32  # every request ran to its max_tokens
+    assert max(result.batch_log.batch_rows + [result.batch_log.most_in_flight]) > 1

@@ -51,6 +51,14 @@ def register(subparsers) -> None:
         help="serve a subclass of tqbatch's class in place of tqbatch's (a cache under test)",
     )
     parser.add_argument("--bits", type=float, default=4.0, help="TurboQuant bits (default 4)")
+    parser.add_argument(
+        "--load",
+        nargs=2,
+        type=int,
+        metavar=("N", "AT_ONCE"),
+        help="also a load run per server and cache: N requests, AT_ONCE at a time, each "
+        "judged against its alone run, with tokens/s and the server's peak memory",
+    )
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument(
         "--keep", metavar="DIR", type=Path, help="keep the model directories and server logs here"
@@ -60,14 +68,14 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tqbatch.workbench import server_report
-    from tqbatch.workbench.http_oracle import SCENARIOS, run_scenario
+    from tqbatch.workbench.http_oracle import SCENARIOS, run_load, run_scenario
     from tqbatch.workbench.local_model import write_model_dir
     from tqbatch.workbench.server_process import Launch
 
     with tempfile.TemporaryDirectory(prefix="tqbatch-servers-") as scratch:
         workdir = args.keep or Path(scratch)
         workdir.mkdir(parents=True, exist_ok=True)
-        results = []
+        results, loads = [], []
         for server in args.servers:
             model_dir = write_model_dir(workdir / f"model-{server}", server=server)
             for cache in args.caches:
@@ -81,8 +89,18 @@ def run(args: argparse.Namespace) -> int:
                         continue
                     print(f"{launch.label}: {name} ...", file=sys.stderr, flush=True)
                     results.append(run_scenario(launch, scenario, model_dir, workdir))
+                if args.load:
+                    n, at_once = args.load
+                    print(f"{launch.label}: load ...", file=sys.stderr, flush=True)
+                    loads.append(
+                        run_load(launch, model_dir, workdir, requests=n, concurrency=at_once)
+                    )
     print(server_report.render(results, markdown=args.markdown))
     problems = server_report.unexplained(results)
+    if loads:
+        print()
+        print(server_report.render_load(loads, markdown=args.markdown))
+        problems += server_report.load_problems(loads)
     for line in problems:
         print(f"FAIL {line}")
     if args.keep:

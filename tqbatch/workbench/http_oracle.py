@@ -37,12 +37,15 @@ from tqbatch.workbench.server_process import Launch, ServerFailed, running
 
 __all__ = [
     "SCENARIOS",
+    "LoadResult",
     "Reply",
     "Request",
     "Scenario",
     "ScenarioResult",
     "Verdict",
     "chat",
+    "load_requests",
+    "run_load",
     "run_scenario",
 ]
 
@@ -360,7 +363,8 @@ def run_scenario(
     log_path = Path(workdir) / f"{scenario.name}-{launch.server}-{target}.log"
     model = str(model_dir)
     start = time.monotonic()
-    with running(launch, Path(model_dir), log_path) as url:
+    with running(launch, Path(model_dir), log_path) as server:
+        url = server.url
         earlier = {}
         for turn in scenario.turns_before:  # one at a time, before the batch
             earlier[turn.name] = (turn, chat(url, model, turn, _history(turn, earlier)))
@@ -381,4 +385,57 @@ def run_scenario(
         _judge(r, b, a, batch_log, alone_log) for r, b, a in zip(scenario.requests, batched, alone)
     ]
     result.seconds = time.monotonic() - start
+    return result
+
+
+@dataclass
+class LoadResult:
+    """A bounded load run: every reply judged against its alone run, throughput and memory."""
+
+    launch: Launch
+    requests: int
+    concurrency: int
+    verdicts: list[Verdict] = field(default_factory=list)
+    batch_log: BatchLog = field(default_factory=BatchLog)
+    seconds: float = 0.0  # the batched phase's wall time
+    completion_tokens: int = 0
+    peak_rss_bytes: int | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds else 0.0
+
+
+def load_requests(n: int, *, max_tokens: int = 32) -> tuple[Request, ...]:
+    """``n`` requests of distinct prompt lengths (8 words and up: the log's key), seeded apart."""
+    return tuple(Request(f"q{i}", 8 + i, max_tokens=max_tokens, seed=100 + i) for i in range(n))
+
+
+def run_load(
+    base: Launch, model_dir: Path, workdir: Path, *, requests: int = 64, concurrency: int = 8
+) -> LoadResult:
+    """``requests`` requests, ``concurrency`` at a time, then each alone; peak server memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    load = load_requests(requests)
+    launch = dataclasses.replace(base, max_num_seqs=concurrency)
+    target = (launch.impl or launch.cache).replace(":", "-")
+    log_path = Path(workdir) / f"load-{launch.server}-{target}.log"
+    model = str(model_dir)
+    result = LoadResult(launch, requests, concurrency)
+    with running(launch, Path(model_dir), log_path) as server:
+        start = time.monotonic()
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            batched = list(pool.map(lambda r: chat(server.url, model, r), load))
+        result.seconds = time.monotonic() - start
+        result.peak_rss_bytes = server.peak_rss_bytes()
+        batch_text = log_path.read_text(errors="replace")
+        alone = [chat(server.url, model, r) for r in load]
+        alone_text = log_path.read_text(errors="replace")[len(batch_text) :]
+    result.batch_log = read_batch_log(batch_text)
+    alone_log = read_batch_log(alone_text)
+    result.verdicts = [
+        _judge(r, b, a, result.batch_log, alone_log) for r, b, a in zip(load, batched, alone)
+    ]
+    result.completion_tokens = sum(len(b.tokens) for b in batched)
     return result

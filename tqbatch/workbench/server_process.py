@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CACHES", "Launch", "ServerFailed", "free_port", "running"]
+__all__ = ["CACHES", "Launch", "RunningServer", "ServerFailed", "free_port", "running"]
 
 # The cache a launch puts behind the server: tqbatch's class, mlx-vlm's own
 # TurboQuant batch class, or no quantization (mlx-vlm's BatchKVCache, the baseline).
@@ -116,9 +116,29 @@ def _ready(url: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class RunningServer:
+    """A started server: its base URL and process."""
+
+    url: str
+    process: subprocess.Popen
+
+    def peak_rss_bytes(self) -> int | None:
+        """The process's peak resident memory so far (Linux's ``VmHWM``; None elsewhere)."""
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return None
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return None
+
+
 @contextmanager
-def running(launch: Launch, model_dir: Path, log_path: Path) -> Iterator[str]:
-    """Start ``launch`` on ``model_dir``; yield ``http://127.0.0.1:PORT`` once ready; stop it."""
+def running(launch: Launch, model_dir: Path, log_path: Path) -> Iterator[RunningServer]:
+    """Start ``launch`` on ``model_dir``; yield it once ready (``url``: ``http://127.0.0.1:PORT``);
+    stop it."""
     port = free_port()
     hub_cache = Path(log_path).parent / "hf-hub-cache"  # empty: nothing is read from it
     hub_cache.mkdir(exist_ok=True)
@@ -151,7 +171,7 @@ def running(launch: Launch, model_dir: Path, log_path: Path) -> Iterator[str]:
                     f"{launch.label} not ready within {START_SECONDS:g} s:\n" + _log_tail(log_path)
                 )
             time.sleep(0.2)
-        yield base
+        yield RunningServer(base, process)
     finally:
         process.terminate()
         try:

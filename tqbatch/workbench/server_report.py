@@ -19,9 +19,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tqbatch.workbench.http_oracle import ScenarioResult, Verdict
+from tqbatch.workbench.http_oracle import LoadResult, ScenarioResult, Verdict
 
-__all__ = ["COLUMNS", "explanation", "rows", "render", "unexplained"]
+__all__ = [
+    "COLUMNS",
+    "LOAD_COLUMNS",
+    "explanation",
+    "load_problems",
+    "render",
+    "render_load",
+    "rows",
+    "unexplained",
+]
 
 COLUMNS = (
     "server",
@@ -117,14 +126,58 @@ def unexplained(results: Sequence[ScenarioResult]) -> list[str]:
 
 
 def render(results: Sequence[ScenarioResult], *, markdown: bool) -> str:
-    """The table as markdown or as aligned text."""
-    table = rows(results)
+    """The per-request table as markdown or as aligned text."""
+    return _table(COLUMNS, rows(results), markdown=markdown)
+
+
+LOAD_COLUMNS = (
+    "server",
+    "cache",
+    "requests (at once)",
+    "equal to alone",
+    "most rows decoding together",
+    "tokens/s",
+    "peak server RSS (MiB)",
+)
+
+
+def load_problems(results: Sequence[LoadResult]) -> list[str]:
+    """What fails a load run of the caches under test: any reply unlike its alone run."""
+    return [
+        f"{r.launch.label}, load: {v.request.name}: {v.status} {v.detail()}"
+        for r in results
+        if r.launch.cache == UNDER_TEST
+        for v in r.verdicts
+        if v.status != "PASS"
+    ]
+
+
+def _table(columns: Sequence[str], table: Sequence[Sequence[str]], *, markdown: bool) -> str:
     if markdown:
-        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-        lines += [
-            "| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table
-        ]
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in table]
         return "\n".join(lines)
-    widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(COLUMNS)]
+    widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(columns)]
     fmt = "  ".join(f"{{:{w}}}" for w in widths)
-    return "\n".join([fmt.format(*COLUMNS), *(fmt.format(*row) for row in table)])
+    return "\n".join([fmt.format(*columns), *(fmt.format(*row) for row in table)])
+
+
+def render_load(results: Sequence[LoadResult], *, markdown: bool) -> str:
+    """The load runs, one row per server and cache."""
+    table = []
+    for r in results:
+        passed = sum(v.status == "PASS" for v in r.verdicts)
+        rss = "" if r.peak_rss_bytes is None else f"{r.peak_rss_bytes / 2**20:.0f}"
+        most = max([r.batch_log.most_in_flight, *r.batch_log.batch_rows], default=0)
+        table.append(
+            (
+                r.launch.server,
+                r.launch.impl or r.launch.cache,
+                f"{r.requests} ({r.concurrency})",
+                f"{passed}/{len(r.verdicts)}",
+                str(most),
+                f"{r.tokens_per_second:.0f}",
+                rss,
+            )
+        )
+    return _table(LOAD_COLUMNS, table, markdown=markdown)

@@ -1,0 +1,85 @@
+"""server_log: which cache served which request, read from a server's log in order."""
+
+from __future__ import annotations
+
+from tqbatch.workbench.server_log import read_batch_log
+
+TQ = "tqbatch.cache.BatchTurboQuantKVCache"
+DENSE = "mlx_vlm.models.cache.BatchKVCache"
+
+
+def _prefill(request: str, tokens: int) -> str:
+    return (
+        f"2026-12-06 17:25:16,603 - INFO - Prefill started: request={request} "
+        f"backend=continuous_batching prompt_tokens={tokens} images=0"
+    )
+
+
+def _done(request: str) -> str:
+    return (
+        f"2026-12-06 17:25:16,676 - INFO - Decode completed: request={request} generated_tokens=8"
+    )
+
+
+def _serve(message: str) -> str:
+    return f"2026-12-06 17:25:16,610 - INFO - tqbatch serve: {message}"
+
+
+def test_a_batch_serves_the_requests_whose_prefill_started_last():
+    log = read_batch_log(
+        "\n".join(
+            [
+                _prefill("a", 10),
+                _serve(f"batch of 1 rows on {DENSE}"),
+                _prefill("b", 20),
+                _prefill("c", 30),
+                _serve(f"batch of 2 rows on {TQ}"),
+            ]
+        )
+    )
+    assert log.classes_of(10) == ("BatchKVCache",)
+    assert log.classes_of(20) == log.classes_of(30) == ("BatchTurboQuantKVCache",)
+    assert log.batch_rows == [1, 2]
+    assert log.most_in_flight == 3
+    assert log.shared()
+
+
+def test_a_join_serves_every_request_still_decoding():
+    log = read_batch_log(
+        "\n".join(
+            [
+                _prefill("a", 10),
+                _serve(f"batch of 1 rows on {DENSE}"),
+                _prefill("b", 20),
+                _done("a"),
+                _serve(f"batch of 1 rows on {TQ}"),
+                _serve(f"join: {DENSE} + {TQ} -> {TQ}"),
+            ]
+        )
+    )
+    assert log.classes_of(10) == ("BatchKVCache",)  # it left before the join
+    assert log.classes_of(20) == ("BatchTurboQuantKVCache",)
+    assert log.joins == 1 and log.shared()
+
+
+def test_a_failed_join_is_recorded_with_what_it_raised():
+    failure = (
+        f"{DENSE} + {TQ}: AttributeError: 'TurboQuantMSEState' object has no attribute 'shape'"
+    )
+    log = read_batch_log(_serve(f"join failed: {failure}"))
+    assert log.failed_joins == [failure]
+    assert log.joins == 0
+
+
+def test_without_per_request_lines_a_batch_serves_every_request():
+    """mlx-lm's server logs no prefill per request: its batches are the whole phase's."""
+    log = read_batch_log("\n".join([_serve(f"batch of 4 rows on {TQ}")]))
+    assert log.classes_of(14) == ("BatchTurboQuantKVCache",)
+    assert log.shared()
+
+
+def test_one_request_alone_shares_nothing():
+    log = read_batch_log(
+        "\n".join([_prefill("a", 10), _serve(f"batch of 1 rows on {TQ}"), _done("a")])
+    )
+    assert not log.shared()
