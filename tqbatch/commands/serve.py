@@ -24,6 +24,7 @@ import argparse
 import importlib
 import logging
 import sys
+import threading
 
 from tqbatch.exitcodes import ExitCode
 
@@ -184,7 +185,7 @@ def _serve_mlx_lm(
     # The module: ``mlx_lm.generate`` as an attribute is the package's function of that name.
     generate = importlib.import_module("mlx_lm.generate")
 
-    load, merge_caches = server.load, generate._merge_caches
+    load, merge_caches, prompt_cache = server.load, generate._merge_caches, server.make_prompt_cache
 
     def load_and_log(*a, **kw):
         loaded = load(*a, **kw)
@@ -199,7 +200,28 @@ def _serve_mlx_lm(
         log(f"batch of {len(caches)} rows on {_class_names(merged)}")
         return merged
 
+    loading = threading.local()
+    provider_load = server.ModelProvider._load
+
+    def provider_load_quietly(self, *a, **kw):
+        # Loading calls make_prompt_cache once to decide whether the model can be
+        # batched: no request is served there.
+        loading.active = True
+        try:
+            return provider_load(self, *a, **kw)
+        finally:
+            loading.active = False
+
+    def logged_prompt_cache(model, *a, **kw):
+        # The server's path for one request at a time (a draft model, or its own --kv-bits).
+        caches = prompt_cache(model, *a, **kw)
+        if not getattr(loading, "active", False):
+            log(f"one request on {_class_names(caches)}")
+        return caches
+
     server.load = load_and_log
+    server.ModelProvider._load = provider_load_quietly
+    server.make_prompt_cache = logged_prompt_cache
     generate._merge_caches = logged_merge_caches
     _log_joins(generate)
     if batch_class is not None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tqbatch.workbench.local_model import WORDS
+from tqbatch.workbench.local_model import WORDS, write_model_dir
 from tqbatch.workbench.server_log import BatchLog, read_batch_log
 from tqbatch.workbench.server_process import Launch, ServerFailed, running
 
@@ -162,12 +162,37 @@ class Scenario:
     quantized_kv_start: int = 0
     # Sent one at a time before the batch (not judged): the turns that requests follow.
     turns_before: tuple[Request, ...] = ()
+    # Speculative decoding with a draft model (written beside the model, same tokenizer);
+    # mlx-lm's server then serves one request at a time, so nothing shares a batch.
+    draft: bool = False
+    server_flags: tuple[str, ...] = ()  # more of the server's own flags
     # mlx-lm's server has no per-group deferral of quantization to test.
     servers: tuple[str, ...] = ("mlx-vlm", "mlx-lm")
 
-    def launch(self, base: Launch) -> Launch:
-        return dataclasses.replace(base, quantized_kv_start=self.quantized_kv_start)
+    @property
+    def batches(self) -> bool:
+        """Whether the server batches this scenario's requests."""
+        return not self.draft
 
+    def launch(self, base: Launch, model_dir: Path) -> Launch:
+        draft = None
+        if self.draft:
+            draft = Path(model_dir).parent / f"{Path(model_dir).name}-draft"
+            if not draft.exists():
+                write_model_dir(draft, server=base.server, seed=1, layers=1)
+        return dataclasses.replace(
+            base,
+            quantized_kv_start=self.quantized_kv_start,
+            draft_model=draft,
+            extra=(*base.extra, *self.server_flags),
+        )
+
+
+_SPECULATIVE = (
+    Request("r0", 13, max_tokens=32, seed=50),
+    Request("r1", 29, max_tokens=32, seed=51),
+    Request("r2", 47, max_tokens=32, seed=52),
+)
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
@@ -212,6 +237,23 @@ SCENARIOS: dict[str, Scenario] = {
             turns_before=(Request("turn0", 16, seed=30),),
         ),
         Scenario(
+            "speculative",
+            "speculative decoding with a one-layer draft model (3 draft tokens a step): "
+            "rejected drafts are trimmed from the caches; the prompt cache off",
+            _SPECULATIVE,
+            servers=("mlx-lm",),
+            draft=True,
+            server_flags=("--prompt-cache-size", "0"),
+        ),
+        Scenario(
+            "speculative-reuse",
+            "as speculative, with mlx-lm's prompt cache on: the alone run of each request "
+            "starts from the cache its first run left",
+            _SPECULATIVE,
+            servers=("mlx-lm",),
+            draft=True,
+        ),
+        Scenario(
             "faults",
             "a streaming client that hangs up after 3 chunks and a malformed request, among "
             "requests that must not notice, one of them late",
@@ -225,6 +267,11 @@ SCENARIOS: dict[str, Scenario] = {
         ),
     )
 }
+
+
+def _precisions(classes: Sequence[str]) -> set[str]:
+    """Which precisions a request's rows were held in: quantized, full or both."""
+    return {"quantized" if "TurboQuant" in name else "full" for name in classes}
 
 
 @dataclass(frozen=True)
@@ -263,7 +310,9 @@ class Verdict:
         and the same request batched with a long one, or joined by one, is
         quantized. Its tokens may then differ, by the server's choice, not the cache's.
         """
-        return bool(self.served_by) and set(self.served_by) != set(self.served_alone_by)
+        if not (self.served_by and self.served_alone_by):
+            return False  # a run the log does not tie to a cache (e.g. a prefix-cache hit)
+        return _precisions(self.served_by) != _precisions(self.served_alone_by)
 
 
 @dataclass
@@ -358,7 +407,7 @@ def run_scenario(
     lengths = [r.words for r in scenario.requests if r.judged]
     if len(set(lengths)) != len(lengths):
         raise ValueError(f"{scenario.name}: requests need distinct prompt lengths (the log's key)")
-    launch = scenario.launch(base)
+    launch = scenario.launch(base, Path(model_dir))
     target = (launch.impl or launch.cache).replace(":", "-")
     log_path = Path(workdir) / f"{scenario.name}-{launch.server}-{target}.log"
     model = str(model_dir)

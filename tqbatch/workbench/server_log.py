@@ -1,15 +1,17 @@
 """Which cache served which request, and whether requests shared a batch, from a server's log.
 
-``tqbatch serve`` logs every batch cache mlx-vlm's server builds (``batch of N
-rows on CLASS``) and every join of two batches (``join: A + B -> C``);
+``tqbatch serve`` logs every batch cache the server builds (``batch of N rows
+on CLASS``), every join of two batches (``join: A + B -> C``, or ``join
+failed: A + B: ERROR`` where it raised) and, where mlx-lm's server serves one
+request at a time (with a draft model), ``one request on CLASSES``.
 mlx-vlm's server logs each request's ``Prefill started: request=ID ...
 prompt_tokens=N`` just before the batch of its prefill group is built, and
-``Decode completed: request=ID`` when it leaves; a join that raised is logged
-as ``join failed: A + B: ERROR``. Read in order, a batch of N
+``Decode completed: request=ID`` when it leaves. Read in order, a batch of N
 rows serves the last N requests whose prefill started, and a join serves
 every request still decoding. A request is known to its client by its
 ``prompt_tokens`` (the response's ``usage``), so a scenario gives its requests
-distinct prompt lengths.
+distinct prompt lengths. mlx-lm's server logs no line per request: there, a
+batch's classes are those of every request of the phase.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ _DONE = re.compile(r"Decode completed: request=(\S+)")
 _BATCH = re.compile(r"tqbatch serve: batch of (\d+) rows on (.+)$")
 _JOIN = re.compile(r"tqbatch serve: join: .* -> (.+)$")
 _JOIN_FAILED = re.compile(r"tqbatch serve: join failed: (.+)$")
+_ONE = re.compile(r"tqbatch serve: one request on (.+)$")
 
 
 def _short(classes: str) -> set[str]:
@@ -78,6 +81,8 @@ def read_batch_log(text: str) -> BatchLog:
                 result.unattributed |= _short(m.group(1))
             for tokens in decoding.values():
                 result.served_by.setdefault(tokens, set()).update(_short(m.group(1)))
+        elif m := _ONE.search(line):
+            result.unattributed |= _short(m.group(1))
         elif m := _JOIN_FAILED.search(line):
             result.failed_joins.append(m.group(1))
         elif m := _DONE.search(line):

@@ -53,6 +53,8 @@ class Launch:
     quantized_kv_start: int = 0
     extra: tuple[str, ...] = ()  # more of the server's own flags
     impl: str | None = None  # MODULE:CLASS, a subclass of tqbatch's class to serve on
+    draft_model: Path | None = None  # mlx-lm's server: speculative decoding with this model
+    num_draft_tokens: int = 3
 
     def __post_init__(self):
         if self.server not in READY_PATHS:
@@ -61,6 +63,8 @@ class Launch:
             raise ValueError(f"cache must be one of {CACHES}, got {self.cache!r}")
         if self.server == "mlx-lm" and self.cache == "mlx-vlm":
             raise ValueError("mlx-lm's server has no mlx-vlm TurboQuant batch path")
+        if self.draft_model is not None and self.server != "mlx-lm":
+            raise ValueError("a draft model (plain speculative decoding) is mlx-lm's server's")
         if self.impl is not None and self.cache != "tqbatch":
             raise ValueError("impl replaces tqbatch's class: it needs cache='tqbatch'")
 
@@ -89,6 +93,9 @@ class Launch:
                 serve += ["--cache", "none"]
             flags = ["--decode-concurrency", str(self.max_num_seqs)]
             flags += ["--prompt-concurrency", str(self.max_num_seqs)]
+            if self.draft_model is not None:
+                flags += ["--draft-model", str(self.draft_model)]
+                flags += ["--num-draft-tokens", str(self.num_draft_tokens)]
         if self.impl is not None:
             serve += ["--impl", self.impl]
         return [sys.executable, "-m", "tqbatch", *serve, "--", *where, *flags, *self.extra]

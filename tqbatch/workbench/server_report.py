@@ -6,9 +6,8 @@ failure unless the server explains it:
 * ``precision``: the server quantized the request in the batch and not alone
   (mlx-vlm's ``--quantized-kv-start`` decides per prefill group: a short
   request joined by a long one is quantized with it);
-* ``baseline``: the same request differs on the same server with no
-  quantization (``BatchKVCache``), so the server's batching changes it
-  whatever the cache.
+* the baseline: the same request differs on the same server with no
+  quantization (``BatchKVCache``), so the server changes it whatever the cache.
 
 ``unexplained`` lists the rows of the caches under test (tqbatch's class or a
 subclass) that fail with neither reason; a scenario whose requests never
@@ -68,7 +67,7 @@ def explanation(results: Sequence[ScenarioResult], result: ScenarioResult, verdi
     if baseline is not None:
         for other in baseline.verdicts:
             if other.request == verdict.request and other.status != "PASS":
-                return "baseline: BatchKVCache differs too"
+                return "the server's: it differs with no quantization too (BatchKVCache)"
     return ""
 
 
@@ -117,7 +116,7 @@ def unexplained(results: Sequence[ScenarioResult]) -> list[str]:
         if result.launch.cache != UNDER_TEST:
             continue
         where = f"{result.launch.label}, {result.scenario.name}"
-        if not result.batch_log.shared():
+        if result.scenario.batches and not result.batch_log.shared():
             problems.append(f"{where}: the requests never shared a batch (nothing was checked)")
         for v in result.verdicts:
             if v.request.judged and v.status != "PASS" and not explanation(results, result, v):
