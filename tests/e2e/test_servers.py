@@ -9,8 +9,13 @@ the server's log for what happened (a join, a failed join) rather than assume it
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
+from tqbatch.exitcodes import ExitCode
 from tqbatch.workbench import server_report
 from tqbatch.workbench.http_oracle import SCENARIOS, Request, chat, run_load, run_scenario
 from tqbatch.workbench.local_model import write_model_dir
@@ -36,7 +41,7 @@ def test_tqbatch_serve_serves_a_request_on_tqbatch_class(server, model_dirs, tmp
     assert reply.status == 200, reply.error
     assert len(reply.tokens) == 8  # the model never emits EOS (local_model)
     log = read_batch_log(log_path.read_text())
-    assert log.classes_of(reply.prompt_tokens) == ("BatchTurboQuantKVCache",)
+    assert log.classes_of(reply.prompt_tokens) == ("tqbatch.BatchTurboQuantKVCache",)
 
 
 def _run(server, cache, names, model_dirs, tmp_path, impl=None):
@@ -60,8 +65,8 @@ def test_every_request_on_tqbatch_equals_its_alone_run_or_the_server_says_why(mo
         for v in result.verdicts:
             served = set(v.served_by)
             # Batch or single (speculative: one request at a time) caches of each kind.
-            want = "TurboQuantKVCache" if result.launch.cache == "tqbatch" else "KVCache"
-            assert any(name.endswith(want) for name in served), (where, v, served)
+            want = "tqbatch." if result.launch.cache == "tqbatch" else "KVCache"
+            assert any(want in name for name in served), (where, v, served)
         assert not result.batch_log.failed_joins, result.batch_log.failed_joins
 
 
@@ -104,3 +109,20 @@ def test_under_load_every_reply_on_tqbatch_equals_its_alone_run(server, model_di
     assert len(result.verdicts) == 12
     assert result.completion_tokens == 12 * 32  # every request ran to its max_tokens
     assert max(result.batch_log.batch_rows + [result.batch_log.most_in_flight]) > 1
+
+
+def test_tqbatch_serve_refuses_mlx_vlm_prefix_caching(model_dirs):
+    """mlx-vlm's prefix cache builds its own class, which tqbatch's cannot join: refused."""
+    argv = [sys.executable, "-m", "tqbatch", "serve", "mlx-vlm", "--"]
+    argv += [
+        "--model",
+        str(model_dirs["mlx-vlm"]),
+        "--kv-bits",
+        "4",
+        "--kv-quant-scheme",
+        "turboquant",
+    ]
+    env = {**os.environ, "APC_ENABLED": "1"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == ExitCode.USAGE, done.stderr[-2000:]
+    assert "prefix caching (APC_ENABLED) is not routed" in done.stderr

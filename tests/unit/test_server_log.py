@@ -37,8 +37,8 @@ def test_a_batch_serves_the_requests_whose_prefill_started_last():
             ]
         )
     )
-    assert log.classes_of(10) == ("BatchKVCache",)
-    assert log.classes_of(20) == log.classes_of(30) == ("BatchTurboQuantKVCache",)
+    assert log.classes_of(10) == ("mlx_vlm.BatchKVCache",)
+    assert log.classes_of(20) == log.classes_of(30) == ("tqbatch.BatchTurboQuantKVCache",)
     assert log.batch_rows == [1, 2]
     assert log.most_in_flight == 3
     assert log.shared()
@@ -57,8 +57,8 @@ def test_a_join_serves_every_request_still_decoding():
             ]
         )
     )
-    assert log.classes_of(10) == ("BatchKVCache",)  # it left before the join
-    assert log.classes_of(20) == ("BatchTurboQuantKVCache",)
+    assert log.classes_of(10) == ("mlx_vlm.BatchKVCache",)  # it left before the join
+    assert log.classes_of(20) == ("tqbatch.BatchTurboQuantKVCache",)
     assert log.joins == 1 and log.shared()
 
 
@@ -74,7 +74,7 @@ def test_a_failed_join_is_recorded_with_what_it_raised():
 def test_without_per_request_lines_a_batch_serves_every_request():
     """mlx-lm's server logs no prefill per request: its batches are the whole phase's."""
     log = read_batch_log("\n".join([_serve(f"batch of 4 rows on {TQ}")]))
-    assert log.classes_of(14) == ("BatchTurboQuantKVCache",)
+    assert log.classes_of(14) == ("tqbatch.BatchTurboQuantKVCache",)
     assert log.shared()
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import threading
 
@@ -156,6 +157,15 @@ def _serve_mlx_vlm(server_args: list[str], *, batch_class: type | None) -> int:
     import tqbatch.mlx_vlm
 
     if batch_class is not None:
+        if os.environ.get("APC_ENABLED", "0").lower() in ("1", "true", "yes"):
+            # mlx-vlm's prefix cache builds and restores its own class (by name, writing
+            # its private fields), which then meets tqbatch's in a join: HTTP 500.
+            print(
+                f"{LOG_PREFIX} automatic prefix caching (APC_ENABLED) is not routed to "
+                "tqbatch's class; run without it, or with --cache mlx-vlm",
+                file=sys.stderr,
+            )
+            return ExitCode.USAGE
         tqbatch.mlx_vlm.enable(batch_class)
     make_cache = ar._make_cache
 

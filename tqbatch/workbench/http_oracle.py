@@ -166,6 +166,9 @@ class Scenario:
     # mlx-lm's server then serves one request at a time, so nothing shares a batch.
     draft: bool = False
     server_flags: tuple[str, ...] = ()  # more of the server's own flags
+    server_env: tuple[tuple[str, str], ...] = ()  # and settings from its environment
+    # Caches this scenario does not run on, each with why.
+    not_on: tuple[tuple[str, str], ...] = ()
     # mlx-lm's server has no per-group deferral of quantization to test.
     servers: tuple[str, ...] = ("mlx-vlm", "mlx-lm")
 
@@ -185,6 +188,7 @@ class Scenario:
             quantized_kv_start=self.quantized_kv_start,
             draft_model=draft,
             extra=(*base.extra, *self.server_flags),
+            env=(*base.env, *self.server_env),
         )
 
 
@@ -252,6 +256,21 @@ SCENARIOS: dict[str, Scenario] = {
             _SPECULATIVE,
             servers=("mlx-lm",),
             draft=True,
+        ),
+        Scenario(
+            "prefix-cache",
+            "mlx-vlm's automatic prefix cache on (APC_ENABLED=1, in memory): a conversation's "
+            "second turn and two other requests; each alone run then reuses the prefix its "
+            "batched run left",
+            (
+                Request("follow0", 11, follows="turn0", seed=61),
+                Request("r1", 27, seed=62),
+                Request("r2", 44, seed=63),
+            ),
+            turns_before=(Request("turn0", 16, seed=60),),
+            servers=("mlx-vlm",),
+            server_env=(("APC_ENABLED", "1"), ("APC_DISK_ENABLED", "0")),
+            not_on=(("tqbatch", "tqbatch serve refuses prefix caching: not routed to its class"),),
         ),
         Scenario(
             "faults",

@@ -30,8 +30,10 @@ _ONE = re.compile(r"tqbatch serve: one request on (.+)$")
 
 
 def _short(classes: str) -> set[str]:
-    """``a.b.C, d.E`` -> {``C``, ``E``}: the class names, without their modules."""
-    return {name.strip().rsplit(".", 1)[-1] for name in classes.split(",")}
+    """``a.b.C, d.E`` -> {``a.C``, ``d.E``}: each class by its package and name (mlx-vlm's
+    and tqbatch's batch classes share a name)."""
+    names = (name.strip() for name in classes.split(","))
+    return {f"{name.split('.', 1)[0]}.{name.rsplit('.', 1)[-1]}" for name in names}
 
 
 @dataclass

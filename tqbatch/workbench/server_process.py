@@ -55,6 +55,7 @@ class Launch:
     impl: str | None = None  # MODULE:CLASS, a subclass of tqbatch's class to serve on
     draft_model: Path | None = None  # mlx-lm's server: speculative decoding with this model
     num_draft_tokens: int = 3
+    env: tuple[tuple[str, str], ...] = ()  # the server's settings read from the environment
 
     def __post_init__(self):
         if self.server not in READY_PATHS:
@@ -154,6 +155,7 @@ def running(launch: Launch, model_dir: Path, log_path: Path) -> Iterator[Running
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "HF_HUB_CACHE": str(hub_cache),
+        **dict(launch.env),
     }
     env.pop("CI", None)  # the server's own behaviour, not a CI profile of tqbatch's
     with open(log_path, "w") as log:
