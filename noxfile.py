@@ -167,7 +167,16 @@ def models(session: nox.Session) -> None:
 def servers(session: nox.Session) -> None:
     """Real mlx-vlm and mlx-lm HTTP servers, every scenario: the README's server table."""
     _install_test(session)
-    session.run("tqbatch", "servers", "--markdown", *session.posargs, env=_backend_env())
+    session.run(
+        "tqbatch",
+        "servers",
+        "--markdown",
+        "--load",
+        "64",
+        "8",
+        *session.posargs,
+        env=_backend_env(),
+    )
 
 
 @nox.session(python=PYTHONS)

@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
                     loads.append(
                         run_load(launch, model_dir, workdir, requests=n, concurrency=at_once)
                     )
+    print(server_report.render_summary(results, markdown=args.markdown))
+    print()
     print(server_report.render(results, markdown=args.markdown))
     problems = server_report.unexplained(results)
     for line in skipped:

@@ -27,6 +27,7 @@ __all__ = [
     "load_problems",
     "render",
     "render_load",
+    "render_summary",
     "rows",
     "unexplained",
 ]
@@ -122,6 +123,41 @@ def unexplained(results: Sequence[ScenarioResult]) -> list[str]:
             if v.request.judged and v.status != "PASS" and not explanation(results, result, v):
                 problems.append(f"{where}, {v.request.name}: {v.status} {v.detail()}")
     return problems
+
+
+SUMMARY_COLUMNS = (
+    "server",
+    "cache",
+    "scenario",
+    "equal to alone",
+    "differ: the server's",
+    "differ: unexplained",
+    "HTTP errors",
+    "shared a batch",
+)
+
+
+def render_summary(results: Sequence[ScenarioResult], *, markdown: bool) -> str:
+    """One row per server, cache and scenario: its judged requests counted by verdict."""
+    table = []
+    for result in results:
+        judged = [v for v in result.verdicts if v.request.judged]
+        differ = [v for v in judged if v.status == "FAIL"]
+        explained = [v for v in differ if explanation(results, result, v)]
+        table.append(
+            (
+                result.launch.server,
+                result.launch.impl or result.launch.cache,
+                result.scenario.name,
+                f"{sum(v.status == 'PASS' for v in judged)}/{len(judged)}",
+                str(len(explained)),
+                str(len(differ) - len(explained)),
+                str(sum(v.status == "ERROR" for v in judged)),
+                ("yes" if result.batch_log.shared() else "no")
+                + ("" if result.scenario.batches else " (one at a time)"),
+            )
+        )
+    return _table(SUMMARY_COLUMNS, table, markdown=markdown)
 
 
 def render(results: Sequence[ScenarioResult], *, markdown: bool) -> str:
