@@ -30,6 +30,9 @@ uses neither.
   ``families``; ``tiny_config`` holds the config pieces both kinds share.
 * ``local_model``: a tiny random-weight model directory with a tokenizer built
   locally, which ``mlx_vlm.server`` and ``mlx_lm.server`` load by path.
+* ``server_process``, ``server_log``, ``http_oracle``, ``server_report``: the
+  HTTP server oracle (real server processes; which cache served which request,
+  from their log; each batched reply against its alone run; the tables).
 
 Every language model is built here: the harness judges cache operations and
 builds none (``tests/unit/test_import_direction.py`` holds it to that).
