@@ -15,7 +15,9 @@ runs mlx-lm's server as it is, with the same log.
 Each batch cache the server builds and each join of two batches is logged on
 stderr, one line each starting ``tqbatch serve:``, naming the class, so that
 a client can tell which cache served a request and that requests shared a
-batch. Exit codes: the server's own.
+batch (at the server's INFO log level, its default). Exit codes: the server's
+own; 2 for a usage error (``--impl`` not a subclass of tqbatch's class,
+mlx-vlm's prefix caching asked for with tqbatch's class).
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def chat(base: str, model: str, request: Request, history: Sequence[dict] = ()) 
 
 @dataclass(frozen=True)
 class Scenario:
-    """Requests sent together (late ones once the first group decodes), on a server's flags."""
+    """Requests sent together (late ones once the first batch is built), on a server's flags."""
 
     name: str
     what: str
