@@ -385,6 +385,12 @@ def _wait_for_first_batch(log_path: Path, offset: int) -> None:
         time.sleep(0.002)
 
 
+def _log_path(workdir: Path, run: str, launch: Launch) -> Path:
+    """Where the server of ``run`` (a scenario's name, or load) on ``launch`` logs."""
+    target = (launch.impl or launch.cache).replace(":", "-")
+    return Path(workdir) / f"{run}-{launch.server}-{target}.log"
+
+
 def _history(request: Request, earlier: dict[str, tuple[Request, Reply]]) -> list[dict]:
     """The conversation before ``request``: the turn it follows, asked and answered."""
     if request.follows is None:
@@ -427,8 +433,7 @@ def run_scenario(
     if len(set(lengths)) != len(lengths):
         raise ValueError(f"{scenario.name}: requests need distinct prompt lengths (the log's key)")
     launch = scenario.launch(base, Path(model_dir))
-    target = (launch.impl or launch.cache).replace(":", "-")
-    log_path = Path(workdir) / f"{scenario.name}-{launch.server}-{target}.log"
+    log_path = _log_path(workdir, scenario.name, launch)
     model = str(model_dir)
     start = time.monotonic()
     with running(launch, Path(model_dir), log_path) as server:
@@ -487,8 +492,7 @@ def run_load(
 
     load = load_requests(requests)
     launch = dataclasses.replace(base, max_num_seqs=concurrency)
-    target = (launch.impl or launch.cache).replace(":", "-")
-    log_path = Path(workdir) / f"load-{launch.server}-{target}.log"
+    log_path = _log_path(workdir, "load", launch)
     model = str(model_dir)
     result = LoadResult(launch, requests, concurrency)
     with running(launch, Path(model_dir), log_path) as server:
