@@ -976,6 +976,29 @@ class BatchableTurboQuantKVCache(TurboQuantKVCache):
     def merge(cls, caches) -> BatchTurboQuantKVCache:
         return BatchTurboQuantKVCache.merge(caches)
 
+    def prefix_cache_merge(self, rows, prefix_lens) -> BatchTurboQuantKVCache | None:
+        """mlx-vlm's prefix-cache hook: single-row snapshots into a tqbatch batch.
+
+        mlx-vlm's checkpoint prefix cache (``mlx_vlm.apc_adapters.merge_cache_entries``)
+        asks each row's cache in turn and takes the first batch returned. Rows
+        are TurboQuant singles of this cache's configuration, each holding
+        exactly its prefix length, or empty full-precision ``KVCache``s for
+        rows with no cached prefix (length 0). Any other rows: ``None``, so
+        mlx-vlm asks the next one. Packed rows are merged as they are, never
+        re-quantized.
+        """
+        rows, lengths = list(rows), [int(n) for n in prefix_lens]
+        if not rows or len(rows) != len(lengths):
+            return None
+        for row, n in zip(rows, lengths):
+            if isinstance(row, TurboQuantKVCache) and not isinstance(row, BatchTurboQuantKVCache):
+                written = int(row.offset) if row.keys is not None else 0
+                if _config_of(row) != _config_of(self) or written != n:
+                    return None
+            elif not (type(row) in FULL_PRECISION_SINGLES and row.keys is None and n == 0):
+                return None
+        return BatchTurboQuantKVCache._for_config(_config_of(self)).merge(rows)
+
     @classmethod
     def from_single(cls, cache: TurboQuantKVCache) -> BatchableTurboQuantKVCache:
         """The same cache (same arrays, codecs, offset) as this class."""

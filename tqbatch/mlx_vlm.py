@@ -6,11 +6,18 @@ TurboQuant KV quantization (``--kv-bits B --kv-quant-scheme turboquant``).
 through a global name of that module) build :class:`tqbatch.BatchTurboQuantKVCache`
 instead, with the same ``left_padding``, ``bits``, ``key_bits`` and ``value_bits``.
 
-Automatic prefix caching (off by default in mlx-vlm's server: ``apc_enabled``)
-is not routed: ``mlx_vlm.apc`` and ``TurboQuantKVCache.prefix_cache_merge``
-build mlx-vlm's class by its name in ``mlx_vlm.turboquant`` and write its
-private fields (``_idx``, its packed state) into it, so swapping that name
-would hand tqbatch's class state in another class's layout.
+Automatic prefix caching (``APC_ENABLED=1`` in mlx-vlm's server) restores
+cached prefixes into batches of the same class. Its block strategy (models
+whose layers are plain ``KVCache``s) stores dequantized K/V and re-quantizes
+them on restore through ``mlx_vlm.apc._fill_batch_layer_cache`` and
+``_empty_quant_batch_cache``; ``enable()`` replaces both so that a TurboQuant
+policy gets tqbatch's class, filled as a left-padded prefill. Its checkpoint
+strategy (hybrid models) merges packed single-row snapshots with the first
+row's ``prefix_cache_merge``: rows extracted from tqbatch's batches are
+``BatchableTurboQuantKVCache``s, whose ``prefix_cache_merge`` builds tqbatch's
+class. Re-quantizing dequantized K/V does not give back the codes they came
+from, so a prefix restored by the block strategy is not bit-equal to the
+prefix computed fresh, whichever class restores it.
 
 It also joins a running full-precision batch with a TurboQuant one through
 tqbatch's class. mlx-vlm defers quantization per prefill group
@@ -43,16 +50,27 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from mlx_vlm import apc as _vlm_apc
 from mlx_vlm.generate import ar as _vlm_ar
 
 from tqbatch.cache import FULL_PRECISION_BATCHES, BatchTurboQuantKVCache
 
-__all__ = ["disable", "enable", "enabled", "is_enabled", "join_caches"]
+__all__ = [
+    "disable",
+    "empty_prefix_batch",
+    "enable",
+    "enabled",
+    "fill_prefix_batch",
+    "is_enabled",
+    "join_caches",
+]
 
 _NAME = "BatchTurboQuantKVCache"
 # mlx-vlm's class and join, taken before anything here can have replaced them.
 _VLM_CLASS = _vlm_ar.BatchTurboQuantKVCache
 _VLM_EXTEND = _vlm_ar._extend_cache
+_VLM_FILL = _vlm_apc._fill_batch_layer_cache
+_VLM_EMPTY = _vlm_apc._empty_quant_batch_cache
 _LOCK = threading.Lock()
 
 
@@ -75,6 +93,55 @@ def join_caches(cache_a: list, cache_b: list) -> list:
     return _VLM_EXTEND(cache_a, cache_b)
 
 
+def _turboquant_policy(kv_quant_config):
+    """The policy of ``kv_quant_config`` where it quantizes every side with TurboQuant."""
+    policy = _vlm_apc.kv_quant_from_config(kv_quant_config)
+    if policy is None or not policy.is_homogeneous or not policy.is_turboquant:
+        return None
+    return policy
+
+
+def _prefix_batch(left_padding, policy):
+    """An empty batch of the class mlx-vlm's batch path builds now, for ``policy``."""
+    return _vlm_ar.BatchTurboQuantKVCache(
+        [int(n) for n in left_padding],
+        bits=policy.bits,
+        key_bits=policy.key.bits,
+        value_bits=policy.value.bits,
+    )
+
+
+def fill_prefix_batch(merged_k, merged_v, left_padding, offset, *, quantize, kv_quant_config):
+    """``mlx_vlm.apc._fill_batch_layer_cache``, building tqbatch's class for TurboQuant.
+
+    ``merged_k``/``merged_v`` hold each row's cached prefix right-aligned
+    behind ``left_padding`` zeros, as a left-padded prefill does; ``offset``
+    is then implied (``size - left_padding``). Every other policy, and a
+    layer left full precision, is mlx-vlm's own code.
+    """
+    policy = _turboquant_policy(kv_quant_config) if quantize and kv_quant_config else None
+    if policy is None:
+        return _VLM_FILL(
+            merged_k,
+            merged_v,
+            left_padding,
+            offset,
+            quantize=quantize,
+            kv_quant_config=kv_quant_config,
+        )
+    cache = _prefix_batch(left_padding, policy)
+    cache.update_and_fetch(merged_k, merged_v)
+    return cache
+
+
+def empty_prefix_batch(left_padding, kv_quant_config):
+    """``mlx_vlm.apc._empty_quant_batch_cache``, building tqbatch's class for TurboQuant."""
+    policy = _turboquant_policy(kv_quant_config)
+    if policy is None:
+        return _VLM_EMPTY(left_padding, kv_quant_config)
+    return _prefix_batch(left_padding, policy)
+
+
 def enable(batch_class: type = BatchTurboQuantKVCache) -> None:
     """Make mlx-vlm build and join tqbatch's batch cache (see the module docstring).
 
@@ -87,15 +154,29 @@ def enable(batch_class: type = BatchTurboQuantKVCache) -> None:
             f"batch_class must be a subclass of tqbatch.BatchTurboQuantKVCache, got {batch_class!r}"
         )
     with _LOCK:
-        _vlm_ar.BatchTurboQuantKVCache = batch_class
-        _vlm_ar._extend_cache = join_caches
+        _install(batch_class, join_caches, fill_prefix_batch, empty_prefix_batch)
 
 
 def disable() -> None:
-    """Give mlx-vlm its own class and join back. Idempotent."""
+    """Give mlx-vlm its own class, join and prefix-cache builders back. Idempotent."""
     with _LOCK:
-        _vlm_ar.BatchTurboQuantKVCache = _VLM_CLASS
-        _vlm_ar._extend_cache = _VLM_EXTEND
+        _install(_VLM_CLASS, _VLM_EXTEND, _VLM_FILL, _VLM_EMPTY)
+
+
+def _installed() -> tuple:
+    return (
+        _vlm_ar.BatchTurboQuantKVCache,
+        _vlm_ar._extend_cache,
+        _vlm_apc._fill_batch_layer_cache,
+        _vlm_apc._empty_quant_batch_cache,
+    )
+
+
+def _install(batch_class, join, fill, empty) -> None:
+    _vlm_ar.BatchTurboQuantKVCache = batch_class
+    _vlm_ar._extend_cache = join
+    _vlm_apc._fill_batch_layer_cache = fill
+    _vlm_apc._empty_quant_batch_cache = empty
 
 
 def is_enabled() -> bool:
@@ -107,11 +188,10 @@ def is_enabled() -> bool:
 def enabled(batch_class: type = BatchTurboQuantKVCache) -> Iterator[None]:
     """``enable(batch_class)`` for the block; on exit, the class it found is built again."""
     with _LOCK:
-        found, found_join = getattr(_vlm_ar, _NAME), _vlm_ar._extend_cache
+        found = _installed()
     enable(batch_class)
     try:
         yield
     finally:
         with _LOCK:
-            setattr(_vlm_ar, _NAME, found)
-            _vlm_ar._extend_cache = found_join
+            _install(*found)

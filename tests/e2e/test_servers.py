@@ -9,13 +9,8 @@ the server's log for what happened (a join, a failed join) rather than assume it
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tqbatch.exitcodes import ExitCode
 from tqbatch.workbench import server_report
 from tqbatch.workbench.http_oracle import SCENARIOS, Request, chat, run_load, run_scenario
 from tqbatch.workbench.local_model import write_model_dir
@@ -111,18 +106,31 @@ def test_under_load_every_reply_on_tqbatch_equals_its_alone_run(server, model_di
     assert max(result.batch_log.batch_rows + [result.batch_log.most_in_flight]) > 1
 
 
-def test_tqbatch_serve_refuses_mlx_vlm_prefix_caching(model_dirs):
-    """mlx-vlm's prefix cache builds its own class, which tqbatch's cannot join: refused."""
-    argv = [sys.executable, "-m", "tqbatch", "serve", "mlx-vlm", "--"]
-    argv += [
-        "--model",
-        str(model_dirs["mlx-vlm"]),
-        "--kv-bits",
-        "4",
-        "--kv-quant-scheme",
-        "turboquant",
+def _prefix_cache_runs(model_dirs, tmp_path, impl=None):
+    return [
+        *_run("mlx-vlm", "tqbatch", ["prefix-cache"], model_dirs, tmp_path, impl=impl),
+        *_run("mlx-vlm", "mlx-vlm", ["prefix-cache"], model_dirs, tmp_path),
     ]
-    env = {**os.environ, "APC_ENABLED": "1"}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == ExitCode.USAGE, done.stderr[-2000:]
-    assert "prefix caching (APC_ENABLED) is not routed" in done.stderr
+
+
+def test_prefix_cache_restores_into_tqbatch_and_answers_as_mlx_vlm_class(model_dirs, tmp_path):
+    """mlx-vlm's prefix cache (APC) restores cached prefixes into tqbatch's class.
+
+    It keeps dequantized K/V and quantizes them again on restore, so a request
+    that restores more of its prompt alone than batched is not bit-equal to its
+    batched run; mlx-vlm's own class is the reference: the same tokens both times.
+    """
+    results = _prefix_cache_runs(model_dirs, tmp_path)
+    assert server_report.unexplained(results) == []
+    ours = results[0]
+    assert ours.batch_log.shared()
+    assert any(v.batched.cached_tokens or v.alone.cached_tokens for v in ours.verdicts)
+    for v in ours.verdicts:  # restored batches are logged, and tqbatch's class
+        assert v.served_by == v.served_alone_by == ("tqbatch.BatchTurboQuantKVCache",), v
+
+
+def test_a_cache_with_a_mask_bug_fails_through_the_prefix_cache(model_dirs, tmp_path):
+    """The prefix-cache explanation can fail: mlx-vlm's class does not answer as the mutant."""
+    impl = "tqbatch.testing.mutants:HandWrittenMaskHidesLeftPadded"
+    problems = server_report.unexplained(_prefix_cache_runs(model_dirs, tmp_path, impl=impl))
+    assert problems and all("FAIL" in p for p in problems), problems

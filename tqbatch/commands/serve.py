@@ -16,8 +16,9 @@ Each batch cache the server builds and each join of two batches is logged on
 stderr, one line each starting ``tqbatch serve:``, naming the class, so that
 a client can tell which cache served a request and that requests shared a
 batch (at the server's INFO log level, its default). Exit codes: the server's
-own; 2 for a usage error (``--impl`` not a subclass of tqbatch's class,
-mlx-vlm's prefix caching asked for with tqbatch's class).
+own; 2 for a usage error (``--impl`` not a subclass of tqbatch's class).
+mlx-vlm's automatic prefix cache (``APC_ENABLED=1``) restores prefixes into
+tqbatch's class too (see ``tqbatch.mlx_vlm``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 import threading
 
@@ -153,21 +153,35 @@ def _log_joins(module) -> None:
     module._extend_cache = logged
 
 
+def _log_prefix_restores() -> None:
+    """Log each batch mlx-vlm's prefix cache builds (its block and checkpoint strategies).
+
+    Both are called through ``mlx_vlm.apc``'s module attributes at call time.
+    """
+    from mlx_vlm import apc
+
+    def logged(build, rows_of):
+        def restore(rows, *a, **kw):
+            caches, longest = build(rows, *a, **kw)
+            if caches:
+                log(
+                    f"batch of {rows_of(rows)} rows restored from the prefix cache on "
+                    f"{_class_names(caches)}"
+                )
+            return caches, longest
+
+        return restore
+
+    apc.make_warm_batch_kv_cache_multi = logged(apc.make_warm_batch_kv_cache_multi, len)
+    apc.make_warm_batch_exact_cache_multi = logged(apc.make_warm_batch_exact_cache_multi, len)
+
+
 def _serve_mlx_vlm(server_args: list[str], *, batch_class: type | None) -> int:
     from mlx_vlm.generate import ar
 
     import tqbatch.mlx_vlm
 
     if batch_class is not None:
-        if os.environ.get("APC_ENABLED", "0").lower() in ("1", "true", "yes"):
-            # mlx-vlm's prefix cache builds and restores its own class (by name, writing
-            # its private fields), which then meets tqbatch's in a join: HTTP 500.
-            print(
-                f"{LOG_PREFIX} automatic prefix caching (APC_ENABLED) is not routed to "
-                "tqbatch's class; run without it, or with --cache mlx-vlm",
-                file=sys.stderr,
-            )
-            return ExitCode.USAGE
         tqbatch.mlx_vlm.enable(batch_class)
     make_cache = ar._make_cache
 
@@ -178,6 +192,7 @@ def _serve_mlx_vlm(server_args: list[str], *, batch_class: type | None) -> int:
 
     ar._make_cache = logged_make_cache
     _log_joins(ar)
+    _log_prefix_restores()
     from mlx_vlm.server.cli import main
 
     owner = _qualified(batch_class) if batch_class else "mlx-vlm's own class"

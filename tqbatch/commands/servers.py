@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tqbatch-servers-") as scratch:
         workdir = args.keep or Path(scratch)
         workdir.mkdir(parents=True, exist_ok=True)
-        results, loads, skipped = [], [], []
+        results, loads = [], []
         for server in args.servers:
             model_dir = write_model_dir(workdir / f"model-{server}", server=server)
             for cache in args.caches:
@@ -86,9 +86,6 @@ def run(args: argparse.Namespace) -> int:
                 for name in args.scenarios:
                     scenario = SCENARIOS[name]
                     if server not in scenario.servers:
-                        continue
-                    if cache in dict(scenario.not_on):
-                        skipped.append(f"{launch.label}, {name}: {dict(scenario.not_on)[cache]}")
                         continue
                     print(f"{launch.label}: {name} ...", file=sys.stderr, flush=True)
                     results.append(run_scenario(launch, scenario, model_dir, workdir))
@@ -102,8 +99,6 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(server_report.render(results, markdown=args.markdown))
     problems = server_report.unexplained(results)
-    for line in skipped:
-        print(f"not run: {line}")
     if loads:
         print()
         print(server_report.render_load(loads, markdown=args.markdown))

@@ -167,8 +167,6 @@ class Scenario:
     draft: bool = False
     server_flags: tuple[str, ...] = ()  # more of the server's own flags
     server_env: tuple[tuple[str, str], ...] = ()  # and settings from its environment
-    # Caches this scenario does not run on, each with why.
-    not_on: tuple[tuple[str, str], ...] = ()
     # mlx-lm's server has no per-group deferral of quantization to test.
     servers: tuple[str, ...] = ("mlx-vlm", "mlx-lm")
 
@@ -270,7 +268,6 @@ SCENARIOS: dict[str, Scenario] = {
             turns_before=(Request("turn0", 16, seed=60),),
             servers=("mlx-vlm",),
             server_env=(("APC_ENABLED", "1"), ("APC_DISK_ENABLED", "0")),
-            not_on=(("tqbatch", "tqbatch serve refuses prefix caching: not routed to its class"),),
         ),
         Scenario(
             "faults",

@@ -1,7 +1,8 @@
 """Which cache served which request, and whether requests shared a batch, from a server's log.
 
 ``tqbatch serve`` logs every batch cache the server builds (``batch of N rows
-on CLASS``), every join of two batches (``join: A + B -> C``, or ``join
+on CLASS``, or ``batch of N rows restored from the prefix cache on CLASS``
+where mlx-vlm's prefix cache builds it), every join of two batches (``join: A + B -> C``, or ``join
 failed: A + B: ERROR`` where it raised) and, where mlx-lm's server serves one
 request at a time (with a draft model), ``one request on CLASSES``.
 mlx-vlm's server logs each request's ``Prefill started: request=ID ...
@@ -23,7 +24,9 @@ __all__ = ["BatchLog", "read_batch_log"]
 
 _PREFILL = re.compile(r"Prefill started: request=(\S+) .*?prompt_tokens=(\d+)")
 _DONE = re.compile(r"Decode completed: request=(\S+)")
-_BATCH = re.compile(r"tqbatch serve: batch of (\d+) rows on (.+)$")
+_BATCH = re.compile(
+    r"tqbatch serve: batch of (\d+) rows(?: restored from the prefix cache)? on (.+)$"
+)
 _JOIN = re.compile(r"tqbatch serve: join: .* -> (.+)$")
 _JOIN_FAILED = re.compile(r"tqbatch serve: join failed: (.+)$")
 _ONE = re.compile(r"tqbatch serve: one request on (.+)$")
