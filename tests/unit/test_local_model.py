@@ -11,6 +11,7 @@ from tqbatch.workbench.local_model import (
     EOS_TOKEN,
     SPECIAL_TOKENS,
     WORDS,
+    write_draft_dir,
     write_model_dir,
 )
 
@@ -98,3 +99,46 @@ def test_the_greedy_top_token_stands_clear_of_the_second(dirs):
     logits = model(mx.array([prompt]))[0, -1]
     top2 = mx.sort(logits)[-2:].tolist()
     assert top2[1] - top2[0] > 1e-3
+
+
+def test_mlx_vlm_loads_the_draft_directory_as_a_dflash_drafter_of_its_target(dirs, tmp_path):
+    from mlx_vlm.speculative.drafters import (
+        DFlashDraftModel,
+        load_drafter,
+        validate_drafter_compatibility,
+    )
+    from mlx_vlm.utils import load
+
+    draft = write_draft_dir(tmp_path / "draft", dirs["mlx-vlm"])
+    drafter, kind = load_drafter(str(draft))
+    assert isinstance(drafter, DFlashDraftModel) and kind == "dflash"
+    target, _ = load(str(dirs["mlx-vlm"]))
+    assert drafter.config.hidden_size == target.language_model.args.hidden_size
+    assert drafter.config.target_layer_ids == list(range(len(target.language_model.layers)))
+    assert drafter.config.mask_token_id < len(SPECIAL_TOKENS)
+    validate_drafter_compatibility(target, drafter, kind)
+
+
+def test_the_same_seed_writes_the_same_draft_bytes(dirs, tmp_path):
+    a = write_draft_dir(tmp_path / "a", dirs["mlx-vlm"], seed=3)
+    b = write_draft_dir(tmp_path / "b", dirs["mlx-vlm"], seed=3)
+    c = write_draft_dir(tmp_path / "c", dirs["mlx-vlm"], seed=4)
+    for name in ("config.json", "model.safetensors"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+
+def test_a_silent_drafter_proposes_its_word_at_every_position(dirs, tmp_path):
+    from mlx_vlm.speculative.drafters import load_drafter
+    from mlx_vlm.utils import load
+
+    draft = write_draft_dir(tmp_path / "draft", dirs["mlx-vlm"], propose="cool", block_size=4)
+    drafter, _ = load_drafter(str(draft))
+    target, _ = load(str(dirs["mlx-vlm"]))
+    cache = drafter.reset(target)
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    hidden = mx.random.normal((2, 5, width), key=mx.random.key(0))
+    last = mx.array([SPECIAL_TOKENS.index(EOS_TOKEN) + 10, 20])
+    proposed = drafter.draft_block(last, hidden, cache, 4, lambda x: mx.argmax(x, axis=-1))
+    word = len(SPECIAL_TOKENS) + WORDS.index("cool")
+    assert proposed.tolist() == [[word] * 3] * 2

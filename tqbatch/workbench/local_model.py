@@ -86,6 +86,9 @@ __all__ = [
     "WORDS",
     "build_tokenizer",
     "model_config",
+    "draft_config",
+    "mask_token_proposing",
+    "write_draft_dir",
     "write_model_dir",
 ]
 
@@ -132,6 +135,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+# The drafter's mask token: a special token that greedy decoding never emits.
+MASK_TOKEN = UNK_TOKEN
 
 # Std of the logits over the vocabulary at a unit-RMS final hidden state.
 LOGIT_STD = 8.0
@@ -261,4 +267,131 @@ def write_model_dir(path: str | Path, *, server: str, seed: int = 0, layers: int
             },
         ),
     )
+    return out
+
+
+def draft_config(
+    target: dict, *, layers: int = 1, block_size: int = 4, mask_token: str = MASK_TOKEN
+) -> dict:
+    """config.json's fields of a DFlash drafter (mlx-vlm) for the target config ``target``.
+
+    mlx-vlm names a drafter's architecture ``{model_type}_dflash`` when its
+    config has a ``dflash_config`` (``mlx_vlm.utils.get_model_type``): here
+    ``qwen3_dflash``, whose ``DFlashDraftModel`` has a Qwen3 backbone of the
+    target's hidden size, reads the target's hidden states after every one of
+    its layers (``target_layer_ids``) through one ``fc`` and borrows the
+    target's embedding and ``lm_head``. ``mask_token_id`` (``mask_token``)
+    fills the block's positions after the last accepted token.
+    """
+    keep = (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "vocab_size",
+        "max_position_embeddings",
+        "rope_theta",
+        "intermediate_size",
+        "torch_dtype",
+    )
+    return dict(
+        {k: target[k] for k in keep},
+        architectures=["DFlashDraftModel"],
+        model_type=target["model_type"],
+        num_hidden_layers=layers,
+        tie_word_embeddings=True,
+        block_size=block_size,
+        dflash_config=dict(
+            mask_token_id=(SPECIAL_TOKENS + WORDS).index(mask_token),
+            target_layer_ids=list(range(target["num_hidden_layers"])),
+            num_target_layers=target["num_hidden_layers"],
+        ),
+    )
+
+
+def _draft_weights(config: dict, seed: int, *, silent: bool) -> dict[str, mx.array]:
+    """Seeded float32 weights of ``config``'s ``DFlashDraftModel`` (its own names).
+
+    ``silent``: every layer's ``o_proj`` and ``down_proj`` zero, so that each
+    proposal's hidden state is its input token's embedding.
+    """
+    from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel, ModelConfig
+
+    mx.random.seed(seed)
+    model = DFlashDraftModel(ModelConfig.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    if silent:
+        for name, value in weights.items():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                weights[name] = mx.zeros_like(value)
+    return dict(sorted(weights.items()))
+
+
+def mask_token_proposing(target_dir: str | Path, word: str) -> str:
+    """The first token whose embedding the target's final norm and ``lm_head`` read as ``word``.
+
+    A silent drafter (``write_draft_dir(..., propose=word)``) embeds that token
+    at every proposal position and reads it out through the target's
+    ``lm_head`` (its own final norm at weight 1): it proposes ``word`` each
+    time. ValueError if no token does.
+    """
+    target = json.loads((Path(target_dir) / "config.json").read_text(encoding="utf-8"))
+    weights = mx.load(str(Path(target_dir) / "model.safetensors"))
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    normed = embed * mx.rsqrt(
+        mx.mean(embed * embed, axis=-1, keepdims=True) + target["rms_norm_eps"]
+    )
+    read = mx.argmax(normed @ head.T, axis=-1).tolist()
+    vocab = SPECIAL_TOKENS + WORDS
+    wanted = vocab.index(word)
+    for token, proposed in enumerate(read):
+        if proposed == wanted:
+            return vocab[token]
+    raise ValueError(f"no token's embedding reads as {word!r} through this target's lm_head")
+
+
+def write_draft_dir(
+    path: str | Path,
+    target_dir: str | Path,
+    *,
+    server: str = "mlx-vlm",
+    seed: int = 1,
+    layers: int = 1,
+    block_size: int = 4,
+    propose: str | None = None,
+) -> Path:
+    """Write a DFlash drafter for the tiny model at ``target_dir`` (mlx-vlm's ``--draft-model``).
+
+    Only mlx-vlm's server takes such a drafter (``--draft-kind dflash``);
+    mlx-lm's plain speculative decoding takes a whole model
+    (``write_model_dir(..., layers=1)``). Writes config.json (``draft_config``)
+    and model.safetensors, the way
+    ``mlx_vlm.speculative.drafters.load_drafter`` reads them; the same
+    arguments write byte-identical files. Returns the directory.
+
+    Random weights propose tokens the target almost never accepts. With
+    ``propose=WORD`` the drafter is silent (``_draft_weights``) and its mask
+    token is one that reads as WORD (``mask_token_proposing``): it proposes
+    WORD at every position, so a greedy row repeating WORD accepts whole blocks
+    while the other rows of its batch accept none.
+
+    mlx-vlm 0.7.10's server loads it against ``write_model_dir``'s target
+    (``--draft-model DIR --draft-kind dflash`` logs "Drafter ready; speculative
+    decoding enabled.") but cannot serve with it: its text-only qwen3
+    ``LanguageModel`` drops the ``capture_layer_ids`` the DFlash rounds pass
+    (qwen3_5's honours them), returns no ``hidden_states``, and every request
+    fails (HTTP 500, ``TypeError`` from ``mx.concatenate(None)`` in
+    ``speculative_hidden_state``) on any cache class.
+    """
+    if server != "mlx-vlm":
+        raise ValueError(f"a DFlash drafter is mlx-vlm's, not {server!r}'s")
+    target = json.loads((Path(target_dir) / "config.json").read_text(encoding="utf-8"))
+    mask = MASK_TOKEN if propose is None else mask_token_proposing(target_dir, propose)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = draft_config(target, layers=layers, block_size=block_size, mask_token=mask)
+    _write_json(out / "config.json", config)
+    weights = _draft_weights(config, seed, silent=propose is not None)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "mlx"})
     return out
