@@ -13,7 +13,7 @@ import pytest
 
 from tqbatch.workbench import server_report
 from tqbatch.workbench.http_oracle import SCENARIOS, Request, chat, run_load, run_scenario
-from tqbatch.workbench.local_model import write_model_dir
+from tqbatch.workbench.local_model import write_draft_dir, write_model_dir
 from tqbatch.workbench.server_log import read_batch_log
 from tqbatch.workbench.server_process import Launch, running
 
@@ -134,3 +134,25 @@ def test_a_cache_with_a_mask_bug_fails_through_the_prefix_cache(model_dirs, tmp_
     impl = "tqbatch.testing.mutants:HandWrittenMaskHidesLeftPadded"
     problems = server_report.unexplained(_prefix_cache_runs(model_dirs, tmp_path, impl=impl))
     assert problems and all("FAIL" in p for p in problems), problems
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="mlx-vlm 0.7.10: qwen3's text model drops the capture_layer_ids DFlash speculative "
+    "rounds pass, so every request with a drafter fails (HTTP 500), whatever the cache",
+)
+@pytest.mark.parametrize("cache", ["tqbatch", "BatchKVCache"])
+def test_mlx_vlm_speculative_decoding_serves_a_request(cache, model_dirs, tmp_path):
+    """A finding of mlx-vlm's server, not of a cache: it loads a local DFlash drafter and says
+    speculative decoding is on, then cannot serve. Turns red when mlx-vlm serves it."""
+    draft = write_draft_dir(tmp_path / "draft", model_dirs["mlx-vlm"])
+    launch = Launch(
+        server="mlx-vlm", cache=cache, extra=("--draft-model", str(draft), "--draft-kind", "dflash")
+    )
+    log_path = tmp_path / "server.log"
+    with running(launch, model_dirs["mlx-vlm"], log_path) as running_server:
+        reply = chat(
+            running_server.url, str(model_dirs["mlx-vlm"]), Request("one", 12, max_tokens=8)
+        )
+    assert "speculative decoding enabled" in log_path.read_text()
+    assert reply.status == 200, reply.error

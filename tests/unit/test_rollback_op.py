@@ -119,3 +119,25 @@ def test_a_rollback_while_right_padding_is_pending_is_refused():
     world.apply({"op": "update", "tokens": 3, "kv_seed": 1})
     with pytest.raises(ValueError, match="finalize the prefill first"):
         world.apply({"op": "rollback", "n": [1, 1]})
+
+
+def test_mlx_vlms_own_class_cannot_take_a_ragged_commit():
+    """Where tqbatch's class differs from mlx-vlm's: mlx-vlm's commit refuses a batch of its
+    own class once rows accept different numbers of drafts (it has ``_idx`` and no per-row
+    trim), and takes an even accept."""
+    from mlx_vlm.turboquant import BatchTurboQuantKVCache as VlmBatch
+
+    def written():
+        batch = VlmBatch([0, 0], bits=4.0)
+        rng = np.random.default_rng(3)
+        keys, values = (
+            mx.array(rng.standard_normal((2, H, 5, D)).astype(np.float32)) for _ in "kv"
+        )
+        batch.update_and_fetch(keys, values)
+        return batch
+
+    with pytest.raises(RuntimeError, match="requires uniform acceptance"):
+        rollback_speculative_cache([written()], None, [0, 2], 3)
+    even = written()
+    rollback_speculative_cache([even], None, [1, 1], 3)
+    assert as_ints(even.offset) == [4, 4]
