@@ -72,10 +72,29 @@ def test_a_failed_join_is_recorded_with_what_it_raised():
 
 
 def test_without_per_request_lines_a_batch_serves_every_request():
-    """mlx-lm's server logs no prefill per request: its batches are the whole phase's."""
+    """A batch line that names no prompts, and no request started: the whole phase's."""
     log = read_batch_log("\n".join([_serve(f"batch of 4 rows on {TQ}")]))
     assert log.classes_of(14) == ("tqbatch.BatchTurboQuantKVCache",)
     assert log.shared()
+
+
+def test_a_batch_line_naming_its_prompts_serves_those_requests():
+    """mlx-lm's server logs no line per request: tqbatch serve names the rows' prompts."""
+    mlx_lm_dense = "mlx_lm.models.cache.BatchKVCache"
+    log = read_batch_log(
+        "\n".join(
+            [
+                _serve(f"batch of 2 rows on {TQ}, prompts of 14, 75 tokens"),
+                _serve(f"batch of 1 rows on {mlx_lm_dense}, prompts of 30 tokens"),
+                _serve(f"join: {TQ} + {mlx_lm_dense} -> {TQ}"),
+            ]
+        )
+    )
+    assert log.classes_of(14) == log.classes_of(75) == ("tqbatch.BatchTurboQuantKVCache",)
+    # No line says a request ended: the join serves every request batched before it.
+    assert log.classes_of(30) == ("mlx_lm.BatchKVCache", "tqbatch.BatchTurboQuantKVCache")
+    assert log.classes_of(99) == ()
+    assert log.batch_rows == [2, 1] and log.most_in_flight == 3
 
 
 def test_one_request_alone_shares_nothing():

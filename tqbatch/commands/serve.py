@@ -15,8 +15,10 @@ runs mlx-lm's server as it is, with the same log.
 Each batch cache the server builds and each join of two batches is logged on
 stderr, one line each starting ``tqbatch serve:``, naming the class, so that
 a client can tell which cache served a request and that requests shared a
-batch (at the server's INFO log level, its default). Exit codes: the server's
-own; 2 for a usage error (``--impl`` not a subclass of tqbatch's class).
+batch (at the server's INFO log level, its default); mlx-lm's server logs no
+line per request, so there each batch's line names its rows' prompt lengths.
+Exit codes: the server's own; 2 for a usage error (``--impl`` not a subclass
+of tqbatch's class).
 mlx-vlm's automatic prefix cache (``APC_ENABLED=1``) restores prefixes into
 tqbatch's class too (see ``tqbatch.mlx_vlm``).
 """
@@ -201,6 +203,11 @@ def _serve_mlx_vlm(server_args: list[str], *, batch_class: type | None) -> int:
     return _exit_code(main)
 
 
+def _cached(caches: list) -> int:
+    """Tokens a request's caches hold before its prompt is processed (its first layer's)."""
+    return int(getattr(caches[0], "offset", 0) or 0) if caches else 0
+
+
 def _serve_mlx_lm(
     server_args: list[str], *, bits: float, seed: int, batch_class: type | None
 ) -> int:
@@ -212,7 +219,8 @@ def _serve_mlx_lm(
     # The module: ``mlx_lm.generate`` as an attribute is the package's function of that name.
     generate = importlib.import_module("mlx_lm.generate")
 
-    load, merge_caches, prompt_cache = server.load, generate._merge_caches, server.make_prompt_cache
+    load, prompt_cache = server.load, server.make_prompt_cache
+    make_batch = generate.BatchGenerator._make_batch
 
     def load_and_log(*a, **kw):
         loaded = load(*a, **kw)
@@ -222,10 +230,18 @@ def _serve_mlx_lm(
         log(f"each request's caches: {_class_names(make_prompt_cache(model))}")
         return loaded
 
-    def logged_merge_caches(caches):
-        merged = merge_caches(caches)
-        log(f"batch of {len(caches)} rows on {_class_names(merged)}")
-        return merged
+    def logged_make_batch(generator, n, *a, **kw):
+        # Each row's whole prompt: what its cache holds already (mlx-lm's prompt cache)
+        # and the segments left to process; read before the batch merges the caches.
+        rows = list(generator._unprocessed_sequences)[:n]
+        prompts = [_cached(row[3]) + sum(len(segment) for segment in row[1]) for row in rows]
+        batch = make_batch(generator, n, *a, **kw)
+        if rows:
+            log(
+                f"batch of {len(rows)} rows on {_class_names(batch.prompt_cache)}, "
+                f"prompts of {', '.join(map(str, prompts))} tokens"
+            )
+        return batch
 
     loading = threading.local()
     provider_load = server.ModelProvider._load
@@ -249,7 +265,7 @@ def _serve_mlx_lm(
     server.load = load_and_log
     server.ModelProvider._load = provider_load_quietly
     server.make_prompt_cache = logged_prompt_cache
-    generate._merge_caches = logged_merge_caches
+    generate.BatchGenerator._make_batch = logged_make_batch
     _log_joins(generate)
     if batch_class is not None:
         tqbatch.mlx_lm.enable()

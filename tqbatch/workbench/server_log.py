@@ -2,17 +2,20 @@
 
 ``tqbatch serve`` logs every batch cache the server builds (``batch of N rows
 on CLASS``, or ``batch of N rows restored from the prefix cache on CLASS``
-where mlx-vlm's prefix cache builds it), every join of two batches (``join: A + B -> C``, or ``join
-failed: A + B: ERROR`` where it raised) and, where mlx-lm's server serves one
-request at a time (with a draft model), ``one request on CLASSES``.
+where mlx-vlm's prefix cache builds it), every join of two batches (``join:
+A + B -> C``, or ``join failed: A + B: ERROR`` where it raised) and, where
+mlx-lm's server serves one request at a time (with a draft model), ``one
+request on CLASSES``.
 mlx-vlm's server logs each request's ``Prefill started: request=ID ...
 prompt_tokens=N`` just before the batch of its prefill group is built, and
 ``Decode completed: request=ID`` when it leaves. Read in order, a batch of N
 rows serves the last N requests whose prefill started, and a join serves
 every request still decoding. A request is known to its client by its
 ``prompt_tokens`` (the response's ``usage``), so a scenario gives its requests
-distinct prompt lengths. mlx-lm's server logs no line per request: there, a
-batch's classes are those of every request of the phase.
+distinct prompt lengths. mlx-lm's server logs no line per request, so there
+``tqbatch serve`` names the rows' prompt lengths in the batch's own line
+(``batch of N rows on CLASS, prompts of A, B tokens``), and having no line
+for a request's end either, a join serves every request batched before it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ __all__ = ["BatchLog", "read_batch_log"]
 _PREFILL = re.compile(r"Prefill started: request=(\S+) .*?prompt_tokens=(\d+)")
 _DONE = re.compile(r"Decode completed: request=(\S+)")
 _BATCH = re.compile(
-    r"tqbatch serve: batch of (\d+) rows(?: restored from the prefix cache)? on (.+)$"
+    r"tqbatch serve: batch of (\d+) rows(?: restored from the prefix cache)? on (.+?)"
+    r"(?:, prompts of ([\d, ]+) tokens)?$"
 )
 _JOIN = re.compile(r"tqbatch serve: join: .* -> (.+)$")
 _JOIN_FAILED = re.compile(r"tqbatch serve: join failed: (.+)$")
@@ -44,8 +48,8 @@ class BatchLog:
     """What a server's log says about its batches, per request (keyed by prompt length)."""
 
     served_by: dict[int, set[str]] = field(default_factory=dict)  # prompt tokens -> classes
-    # Classes of batches no request can be tied to (mlx-lm's server logs no prefill per
-    # request): they served every request of the phase.
+    # Classes of batches and joins no request can be tied to (a line with no request
+    # started before it, one request at a time): they served every request of the phase.
     unattributed: set[str] = field(default_factory=set)
     batch_rows: list[int] = field(default_factory=list)  # rows of each prefill group's batch
     joins: int = 0
@@ -73,7 +77,11 @@ def read_batch_log(text: str) -> BatchLog:
         elif m := _BATCH.search(line):
             rows, classes = int(m.group(1)), _short(m.group(2))
             result.batch_rows.append(rows)
-            group, started = started[-rows:], started[:-rows] if rows else started
+            if m.group(3):  # mlx-lm's: the rows' prompt lengths, in the line itself
+                prompts = [int(n) for n in m.group(3).split(",")]
+                group = [(f"row {len(decoding) + i}", n) for i, n in enumerate(prompts)]
+            else:
+                group, started = started[-rows:], started[:-rows] if rows else started
             if not group:
                 result.unattributed |= classes
             for request, tokens in group:
