@@ -16,6 +16,7 @@ CAMPAIGN = dict(profile="ci", survey=True)
 
 A, B = frozenset({"a@x"}), frozenset({"a@x", "b@y"})
 A2 = frozenset({"a@x", "a@z"})  # check a again, after another op
+C = frozenset({"a@x", "b@y", "c@w"})
 
 
 @pytest.mark.parametrize(
@@ -27,10 +28,15 @@ A2 = frozenset({"a@x", "a@z"})  # check a again, after another op
         ([A, A, A], 3, None),  # found in round 1: three quiet rounds end after round 4
         ([A, A, A, A], 3, 4),
         ([frozenset(), A, A, A, A, A], 3, 5),
-        ([A, A, B, B, B, B, B], 3, 6),  # a new find in round 3 starts the count again
-        ([A, A, B, B, B], 3, None),
+        ([frozenset(), A, B, B, B, B, B], 3, 6),  # a new find in round 3 starts the count again
+        ([frozenset(), A, B, B, B], 3, None),
         ([A, A, A2, A2], 3, 4),  # a known check after another op: kept, no new count
-        ([A, A2, B, B, B, B], 3, 6),
+        ([frozenset(), A, A2, B, B, B, B], 3, 7),
+        # At the latest, twice the first find's round plus the quiet rounds: new checks
+        # found every other round do not keep a red survey going to its budget.
+        ([A, A, B, B, B, B, B], 3, 5),
+        ([frozenset(), A, A, B, B, C, C, C, C], 3, 7),
+        ([frozenset()] * 3 + [A] * 20, 6, 10),  # the default 6: quiet after round 10
     ],
 )
 def test_the_stop_round_counts_rounds_with_nothing_new_after_a_find(found_after, quiet, stop):

@@ -70,7 +70,8 @@ __all__ = ["NAME", "activate", "harness"]
 # runner's cores. GitHub's hosted runners have 3 (macOS arm64) or 4 (Linux).
 SURVEY_PROCESSES = 2
 # Once the survey has found a contract failure, it stops after this many
-# rounds in a row find no new failing check (``campaign.quiet_stop_round``): a failing
+# rounds in a row find no new failing check, and at the latest after twice its
+# first find's round plus this many (``campaign.quiet_stop_round``): a failing
 # cache's job goes red soon after its last find, a correct one's runs the
 # whole budget. Not tuned: 6 is what the timings of the mutants and of the
 # mlx-vlm regressions were measured with (docs/search-speed.md, "A survey that
@@ -126,8 +127,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=QUIET_ROUNDS,
         metavar="N",
         help="once the survey has found a contract failure, it stops after N rounds in a row "
-        f"(5 examples each, added up over its processes) find no new one (default {QUIET_ROUNDS}; "
-        "0: it runs its whole budget). A survey that finds none always runs its whole budget",
+        f"(5 examples each, added up over its processes) find no new one, and at the latest "
+        f"after twice its first find's round plus N (default {QUIET_ROUNDS}; 0: it runs its "
+        "whole budget). A survey that finds none always runs its whole budget",
     )
     group.addoption(
         "--tqbatch-known-failures",

@@ -18,7 +18,8 @@ example budget or a time budget is spent.
 - A survey may end soon after its last find (``quiet_rounds``; the
   plugin's default is ``tqbatch.testing.gate.plugin.QUIET_ROUNDS``): once it
   has found a contract failure, it stops after that many generating rounds
-  in a row find no new failing check (``quiet_stop``, decided by
+  in a row find no new failing check, and at the latest after twice the
+  round of its first find plus that many (``quiet_stop``, decided by
   ``quiet_stop_round`` on the contract failures known after each round);
   a survey that finds none, or only policy differences, runs its whole
   budget.
@@ -444,21 +445,29 @@ def quiet_stop_round(found_after: list, quiet_rounds: int | None) -> int | None:
     ``found_after[k]`` is the set of contract failures (identities) known
     after round ``k + 1``. The survey stops after round ``r`` where some
     failure was known ``quiet_rounds`` rounds before and no failing check
-    was added since: the first such ``r``. A known check failing after
-    another op (``mask_values@trim`` after ``mask_values@new``) is kept and
-    reported but does not start the count again: it is most often the same
-    defect reached through another op, and a cache with a wrong mask shows
-    it after every op there is. A function of the rounds' finds alone, so
-    the same rounds stop at the same place in one process or added up over
-    several.
+    was added since, or, at the latest, after twice the round of its first
+    find plus ``quiet_rounds``: whichever comes first. A known check failing
+    after another op (``mask_values@trim`` after ``mask_values@new``) is kept
+    and reported but does not start the count again: it is most often the
+    same defect reached through another op, and a cache with a wrong mask
+    shows it after every op there is. The bound on the whole: a target that
+    keeps showing new checks (one defect, many symptoms) is searched about
+    as long again as its first find took, not to the end of its budget; the
+    run is red from that first find on. A function of the rounds' finds
+    alone, so the same rounds stop at the same place in one process or added
+    up over several.
     """
     if not quiet_rounds:
         return None
     checks_after = [frozenset(_check_of(identity) for identity in found) for found in found_after]
-    for r in range(quiet_rounds + 1, len(checks_after) + 1):
-        before = checks_after[r - 1 - quiet_rounds]
-        if before and before == checks_after[r - 1]:
+    first = next((k + 1 for k, checks in enumerate(checks_after) if checks), None)
+    for r in range(1, len(checks_after) + 1):
+        if first is not None and r >= 2 * first + quiet_rounds:
             return r
+        if r > quiet_rounds:
+            before = checks_after[r - 1 - quiet_rounds]
+            if before and before == checks_after[r - 1]:
+                return r
     return None
 
 
