@@ -54,7 +54,8 @@ class BatchLog:
     batch_rows: list[int] = field(default_factory=list)  # rows of each prefill group's batch
     joins: int = 0
     failed_joins: list[str] = field(default_factory=list)  # what each failed join raised
-    # The most requests decoding at once, as the log orders them.
+    # The most requests decoding at once, as the log orders them (where it says when each
+    # request ends: mlx-vlm's server; 0 for mlx-lm's).
     most_in_flight: int = 0
 
     def classes_of(self, prompt_tokens: int | None) -> tuple[str, ...]:
@@ -87,7 +88,8 @@ def read_batch_log(text: str) -> BatchLog:
             for request, tokens in group:
                 result.served_by.setdefault(tokens, set()).update(classes)
                 decoding[request] = tokens
-            result.most_in_flight = max(result.most_in_flight, len(decoding))
+            if not m.group(3):  # mlx-lm's log says no request's end: none counted in flight
+                result.most_in_flight = max(result.most_in_flight, len(decoding))
         elif m := _JOIN.search(line):
             result.joins += 1
             if not decoding:
