@@ -162,6 +162,9 @@ class Scenario:
     quantized_kv_start: int = 0
     # Sent one at a time before the batch (not judged): the turns that requests follow.
     turns_before: tuple[Request, ...] = ()
+    # Each judged request is also sent alone once before the batch (not judged): a prefix
+    # cache then holds every prompt already, so its batched and alone runs restore as much.
+    warm_first: bool = False
     # Speculative decoding with a draft model (written beside the model, same tokenizer);
     # mlx-lm's server then serves one request at a time, so nothing shares a batch.
     draft: bool = False
@@ -258,14 +261,15 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "prefix-cache",
             "mlx-vlm's automatic prefix cache on (APC_ENABLED=1, in memory): a conversation's "
-            "second turn and two other requests; each alone run then reuses the prefix its "
-            "batched run left",
+            "second turn and two other requests, each sent alone once first, so that its "
+            "batched and alone runs restore the same prefix",
             (
                 Request("follow0", 11, follows="turn0", seed=61),
                 Request("r1", 27, seed=62),
                 Request("r2", 44, seed=63),
             ),
             turns_before=(Request("turn0", 16, seed=60),),
+            warm_first=True,
             servers=("mlx-vlm",),
             server_env=(("APC_ENABLED", "1"), ("APC_DISK_ENABLED", "0")),
         ),
@@ -440,6 +444,9 @@ def run_scenario(
             earlier[turn.name] = (turn, chat(url, model, turn, _history(turn, earlier)))
             if earlier[turn.name][1].status != 200:
                 raise ServerFailed(f"{scenario.name}: turn {turn.name}: {earlier[turn.name][1]}")
+        for request in scenario.requests if scenario.warm_first else ():
+            if request.judged:
+                chat(url, model, request, _history(request, earlier))  # its reply: not judged
         offset = len(log_path.read_text(errors="replace"))
         batched = _send_together(url, model, scenario.requests, earlier, log_path, offset)
         batch_text = log_path.read_text(errors="replace")

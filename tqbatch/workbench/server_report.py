@@ -7,13 +7,7 @@ failure unless the server explains it:
   (mlx-vlm's ``--quantized-kv-start`` decides per prefill group: a short
   request joined by a long one is quantized with it);
 * the baseline: the same request differs on the same server with no
-  quantization (``BatchKVCache``), so the server changes it whatever the cache;
-* the prefix cache: the batched and alone runs took different numbers of
-  prompt tokens from the server's prefix cache, and mlx-vlm's own class on the
-  same server gave the same tokens both times. mlx-vlm's block prefix cache
-  keeps dequantized K/V and quantizes them again on restore, which does not
-  give back the codes they had, so a restored prefix is not the computed one
-  for any TurboQuant cache; without mlx-vlm's class in the run, nothing says so.
+  quantization (``BatchKVCache``), so the server changes it whatever the cache.
 
 ``unexplained`` lists the rows of the caches under test (tqbatch's class or a
 subclass) that fail with neither reason; a scenario whose requests never
@@ -69,10 +63,6 @@ def _same_run_on(
     return None
 
 
-def _restored_tokens(verdict: Verdict) -> tuple[int, int]:
-    return verdict.batched.cached_tokens or 0, verdict.alone.cached_tokens or 0
-
-
 def explanation(results: Sequence[ScenarioResult], result: ScenarioResult, verdict: Verdict) -> str:
     """Why ``verdict`` is the server's (see the module docstring), or "" where nothing says so."""
     if verdict.status == "PASS" or not verdict.request.judged:
@@ -82,19 +72,6 @@ def explanation(results: Sequence[ScenarioResult], result: ScenarioResult, verdi
     baseline = _same_run_on("BatchKVCache", results, result, verdict)
     if baseline is not None and baseline.status != "PASS":
         return "the server's: it differs with no quantization too (BatchKVCache)"
-    batched, alone = _restored_tokens(verdict)
-    reference = _same_run_on("mlx-vlm", results, result, verdict)
-    if (
-        result.launch.cache != "mlx-vlm"  # a class is not its own reference
-        and batched != alone
-        and reference is not None
-        and (reference.batched.tokens, reference.alone.tokens)
-        == (verdict.batched.tokens, verdict.alone.tokens)
-    ):
-        return (
-            f"the server's prefix cache re-quantizes what it restores ({batched} tokens "
-            f"batched, {alone} alone); mlx-vlm's class answers the same"
-        )
     return ""
 
 
