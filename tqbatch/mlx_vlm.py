@@ -66,7 +66,8 @@ __all__ = [
 ]
 
 _NAME = "BatchTurboQuantKVCache"
-# mlx-vlm's class and join, taken before anything here can have replaced them.
+# mlx-vlm's class, join and prefix-cache builders, taken before anything here can have
+# replaced them.
 _VLM_CLASS = _vlm_ar.BatchTurboQuantKVCache
 _VLM_EXTEND = _vlm_ar._extend_cache
 _VLM_FILL = _vlm_apc._fill_batch_layer_cache

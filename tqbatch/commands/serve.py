@@ -162,20 +162,20 @@ def _log_prefix_restores() -> None:
     """
     from mlx_vlm import apc
 
-    def logged(build, rows_of):
-        def restore(rows, *a, **kw):
+    def logged(build):
+        def restore(rows, *a, **kw):  # rows: one pick (or one row's caches) per request
             caches, longest = build(rows, *a, **kw)
             if caches:
                 log(
-                    f"batch of {rows_of(rows)} rows restored from the prefix cache on "
+                    f"batch of {len(rows)} rows restored from the prefix cache on "
                     f"{_class_names(caches)}"
                 )
             return caches, longest
 
         return restore
 
-    apc.make_warm_batch_kv_cache_multi = logged(apc.make_warm_batch_kv_cache_multi, len)
-    apc.make_warm_batch_exact_cache_multi = logged(apc.make_warm_batch_exact_cache_multi, len)
+    apc.make_warm_batch_kv_cache_multi = logged(apc.make_warm_batch_kv_cache_multi)
+    apc.make_warm_batch_exact_cache_multi = logged(apc.make_warm_batch_exact_cache_multi)
 
 
 def _serve_mlx_vlm(server_args: list[str], *, batch_class: type | None) -> int:
