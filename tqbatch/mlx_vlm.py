@@ -65,7 +65,6 @@ __all__ = [
     "join_caches",
 ]
 
-_NAME = "BatchTurboQuantKVCache"
 # mlx-vlm's class, join and prefix-cache builders, taken before anything here can have
 # replaced them.
 _VLM_CLASS = _vlm_ar.BatchTurboQuantKVCache
@@ -182,7 +181,7 @@ def _install(batch_class, join, fill, empty) -> None:
 
 def is_enabled() -> bool:
     """Whether mlx-vlm's batch path currently builds tqbatch's class (or a subclass)."""
-    return getattr(_vlm_ar, _NAME) is not _VLM_CLASS
+    return _vlm_ar.BatchTurboQuantKVCache is not _VLM_CLASS
 
 
 @contextmanager

@@ -355,7 +355,6 @@ def write_draft_dir(
     path: str | Path,
     target_dir: str | Path,
     *,
-    server: str = "mlx-vlm",
     seed: int = 1,
     layers: int = 1,
     block_size: int = 4,
@@ -384,8 +383,6 @@ def write_draft_dir(
     fails (HTTP 500, ``TypeError`` from ``mx.concatenate(None)`` in
     ``speculative_hidden_state``) on any cache class.
     """
-    if server != "mlx-vlm":
-        raise ValueError(f"a DFlash drafter is mlx-vlm's, not {server!r}'s")
     target = json.loads((Path(target_dir) / "config.json").read_text(encoding="utf-8"))
     mask = MASK_TOKEN if propose is None else mask_token_proposing(target_dir, propose)
     out = Path(path)

@@ -47,13 +47,13 @@ COLUMNS = (
 UNDER_TEST = "tqbatch"
 
 
-def _same_run_on(
-    cache: str, results: Sequence[ScenarioResult], result: ScenarioResult, verdict: Verdict
+def _baseline(
+    results: Sequence[ScenarioResult], result: ScenarioResult, verdict: Verdict
 ) -> Verdict | None:
-    """``verdict``'s request in the same scenario on the same server with ``cache``."""
+    """``verdict``'s request in the same scenario on the same server with no quantization."""
     for other in results:
         if (
-            other.launch.cache == cache
+            other.launch.cache == "BatchKVCache"
             and other.launch.server == result.launch.server
             and other.scenario.name == result.scenario.name
         ):
@@ -69,7 +69,7 @@ def explanation(results: Sequence[ScenarioResult], result: ScenarioResult, verdi
         return ""
     if verdict.precision_differs():
         return "precision: quantized batched, full precision alone (the server's per-group choice)"
-    baseline = _same_run_on("BatchKVCache", results, result, verdict)
+    baseline = _baseline(results, result, verdict)
     if baseline is not None and baseline.status != "PASS":
         return "the server's: it differs with no quantization too (BatchKVCache)"
     return ""
