@@ -31,6 +31,7 @@ from tqbatch.testing.search.campaign import (
     quiet_stop_round,
     run_campaign,
 )
+from tqbatch.testing.search.scheduling import batch_scheduling
 
 __all__ = ["campaign_from_options", "run_shards"]
 
@@ -158,6 +159,7 @@ def test_fuzz_shard(shard):
     from tqbatch.testing import backend
     from tqbatch.testing.target import load_impl
 
+    batch_scheduling()  # shares the runner's cores with the other shards
     backend.select_device()  # the parent's --device, passed down as $TQBATCH_DEVICE
     cfg = json.loads(os.environ[_ENV])
     save = _saver(Path(cfg["dir"]), shard)
@@ -321,6 +323,7 @@ def _process_main(directory: str, process: int, examples: int, parent: int) -> N
     from tqbatch.testing import backend
     from tqbatch.testing.target import load_impl
 
+    batch_scheduling()  # shares the runner's cores with the other survey processes
     exit_with_parent(parent)
 
     backend.select_device()  # the parent's, through $TQBATCH_DEVICE
