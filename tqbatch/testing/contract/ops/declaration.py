@@ -4,13 +4,14 @@ survey and docs/ops.md."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from tqbatch.testing.contract.checks import Check
 
-__all__ = ["BadInput", "BatchShape", "Op", "Recorded", "Rule", "Vocabulary"]
+__all__ = ["BadInput", "BatchShape", "Op", "Recorded", "Rule", "Vocabulary", "out_of_domain"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,18 @@ class BatchShape(NamedTuple):
     written: int
     capabilities: dict
     world_seed: int
+
+
+def out_of_domain(op: dict, what: str) -> ValueError:
+    """The ``ValueError`` an op's ``validate`` raises: ``what`` is wrong with ``op`` here.
+
+    Such an op is a scenario's mistake, or a cut the minimizer must not make:
+    a correct cache would reject it, so running it would blame the cache. Bad
+    input is tested inside an ``expect_error`` op, whose inner op is not validated.
+    """
+    return ValueError(
+        f"{op['op']}: {what} (bad input belongs in an expect_error op): {json.dumps(op)}"
+    )
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,12 @@ from mlx_lm.models.cache import BatchRotatingKVCache
 
 from tqbatch.testing.contract import strategies as tqs
 from tqbatch.testing.contract.ops.batches import other_batch_ops
-from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule
+from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule, out_of_domain
+
+
+def _validate(world, op):
+    if op.get("foreign"):
+        raise out_of_domain(op, "a rotating window must be refused by any cache")
 
 
 def _target(world, op):
@@ -57,6 +62,7 @@ OP = Op(
     "then `target.extend(other)`",
     target=_target,
     oracles=_oracles,
+    validate=_validate,
     needs=("extend",),
     optional=(
         (

@@ -8,11 +8,17 @@ from hypothesis import strategies as st
 
 from tqbatch.testing.contract.checks import CONTRACT, POLICY, Check
 from tqbatch.testing.contract.observation import packed_leaves
-from tqbatch.testing.contract.ops.declaration import BadInput, Op, Recorded, Rule
+from tqbatch.testing.contract.ops.declaration import BadInput, Op, Recorded, Rule, out_of_domain
 from tqbatch.testing.oracles.judges import judge_tokens
 from tqbatch.testing.oracles.packing import vectorized_packing
 from tqbatch.testing.oracles.reference import to_numpy
 from tqbatch.testing.oracles.tolerances import CROSS_PLATFORM_NOTE, EXACT, PACKED_CROSS_PLATFORM
+
+
+def _validate(world, op):
+    rows = world.numpy_model.batch_size
+    if not 0 <= int(op["index"]) < rows:
+        raise out_of_domain(op, f"index is not a row of the {rows}-row batch")
 
 
 def _target(world, op):
@@ -106,6 +112,7 @@ OP = Op(
     meaning="`target.extract(index)`; content checked against the reference, target unchanged",
     target=_target,
     oracles=_oracles,
+    validate=_validate,
     needs=("extract",),
     checks=(
         Check("extract_length", CONTRACT, False, "extract(i) holds the request's token count"),

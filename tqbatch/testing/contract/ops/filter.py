@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule
+from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule, out_of_domain
 
 
 @st.composite
@@ -20,6 +20,13 @@ def filter_indices(draw, left_padding: list[int]):
         ][:1]
         keep = rest or keep
     return keep
+
+
+def _validate(world, op):
+    rows = world.numpy_model.batch_size
+    indices = [int(i) for i in op["indices"]]
+    if not indices or len(set(indices)) < len(indices) or not all(0 <= i < rows for i in indices):
+        raise out_of_domain(op, f"indices must be one or more distinct rows of the {rows}")
 
 
 def _target(world, op):
@@ -42,6 +49,7 @@ OP = Op(
     meaning="`target.filter(indices)`",
     target=_target,
     oracles=_oracles,
+    validate=_validate,
     needs=("filter",),
     bad_inputs=(
         BadInput(

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule
+from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule, out_of_domain
 from tqbatch.testing.contract.strategies import MAX_PROMPT, MAX_ROWS, seeds
 from tqbatch.testing.oracles.generation import POISON
 from tqbatch.testing.oracles.packing import vectorized_packing
@@ -58,6 +58,13 @@ def construction(world, op: dict) -> str | None:
     if world.capabilities["merge"]:
         return BY_MERGE
     return None if merge_only(op) else BY_PREFILL
+
+
+def _validate(world, op):
+    if op.get("foreign"):
+        raise out_of_domain(op, "foreign members must be refused by any cache")
+    if len(set(op.get("member_seeds") or ())) > 1:
+        raise out_of_domain(op, "members of mixed configurations must be refused by any cache")
 
 
 def _batch_seed(world, op) -> int:
@@ -167,6 +174,7 @@ OP = Op(
     "request i is prefilled with `lengths[i]` tokens (0 = empty member)",
     target=_target,
     oracles=_oracles,
+    validate=_validate,
     needs=("merge",),
     needs_of=_needs,
     optional=(

@@ -15,18 +15,16 @@ import numpy as np
 from hypothesis import strategies as st
 
 from tqbatch.testing.contract import strategies as tqs
-from tqbatch.testing.contract.ops.declaration import Op, Rule
+from tqbatch.testing.contract.ops.declaration import Op, Rule, out_of_domain
 
 
 def _validate(world, op):
+    rows = world.numpy_model.batch_size
     n = [int(x) for x in op["n"]]
-    if len(n) != world.numpy_model.batch_size or min(n, default=0) < 0:
-        raise ValueError(
-            f"rollback: n {op['n']} must give a count >= 0 for each of the "
-            f"{world.numpy_model.batch_size} rows"
-        )
+    if len(n) != rows or min(n, default=0) < 0:
+        raise out_of_domain(op, f"n must give a count >= 0 for each of the {rows} rows")
     if world.numpy_model.right_padding is not None:
-        raise ValueError("rollback: right padding is pending; finalize the prefill first")
+        raise out_of_domain(op, "right padding is pending; finalize the prefill first")
 
 
 def _split(op) -> tuple[int, list[int]]:

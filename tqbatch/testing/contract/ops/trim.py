@@ -7,8 +7,13 @@ from hypothesis import strategies as st
 
 from tqbatch.testing.contract import strategies as tqs
 from tqbatch.testing.contract.checks import CONTRACT, Check
-from tqbatch.testing.contract.ops.declaration import BadInput, Op, Recorded, Rule
+from tqbatch.testing.contract.ops.declaration import BadInput, Op, Recorded, Rule, out_of_domain
 from tqbatch.testing.oracles.tolerances import EXACT
+
+
+def _validate(world, op):
+    if int(op["n"]) < 0:
+        raise out_of_domain(op, "n must be >= 0")
 
 
 def _target(world, op):
@@ -53,6 +58,7 @@ OP = Op(
     meaning="`target.trim(n)`",
     target=_target,
     oracles=_oracles,
+    validate=_validate,
     needs=("trim",),
     checks=(Check("trim_count", CONTRACT, False, "trim(n) returns the number of tokens trimmed"),),
     observe=_observe,

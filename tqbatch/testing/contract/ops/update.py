@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from tqbatch.testing.contract import strategies as tqs
 from tqbatch.testing.contract.ops.attend import attend_op
-from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule
+from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule, out_of_domain
 from tqbatch.testing.oracles.generation import random_kv
 
 
@@ -18,6 +18,12 @@ def _shape(world, op, tokens):
         tokens,
         op.get("head_dim", world.head_dim),
     )
+
+
+def _validate(world, op):
+    model = world.numpy_model
+    if _shape(world, op, 0) != (model.batch_size, world.kv_heads, 0, world.head_dim):
+        raise out_of_domain(op, "rows, heads and head_dim must be the batch's (the oracles' shape)")
 
 
 def _target(world, op):
@@ -53,6 +59,7 @@ OP = Op(
     meaning="`update_and_fetch` of `(B, H, tokens, D)` keys/values",
     target=_target,
     oracles=_oracles,
+    validate=_validate,
     optional=(
         (
             "`scale: float`",
