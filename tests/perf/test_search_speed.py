@@ -15,7 +15,10 @@ prints docs/search-speed.md's table.
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
 
 import pytest
 
@@ -113,4 +116,61 @@ def test_cost_per_example(benchmark, record_property, monkeypatch):
         f"{per_example:.2f} s/example, {statistics.median(plain):.1f} ms/op "
         f"(first campaign of the process {first:.1f}; mlx-vlm's own round trip "
         f"{statistics.median(packed):.1f}, x{ratio:.1f})",
+    )
+
+
+# Two survey processes side by side, as the plugin runs them, with and without
+# batch scheduling (tqbatch.testing.search.scheduling).
+_SURVEY_PROCESS = """
+import sys, time
+from tqbatch.testing.search.campaign import run_campaign
+from tqbatch.testing.search.scheduling import batch_scheduling
+from tqbatch.testing.target import load_impl
+if sys.argv[1] == "batch":
+    assert batch_scheduling()
+impl = load_impl("tqbatch:BatchTurboQuantKVCache")
+run_campaign(impl, examples=3, profile="ci", seed=int(sys.argv[2]), survey=True)  # warm
+start = time.perf_counter()
+run_campaign(impl, examples=int(sys.argv[3]), profile="ci", seed=int(sys.argv[2]), survey=True)
+print(time.perf_counter() - start)
+"""
+
+
+def _side_by_side(scheduling: str, examples: int) -> float:
+    """Seconds the slower of two survey processes (seeds 0 and 1) takes, run side by side."""
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SURVEY_PROCESS, scheduling, str(seed), str(examples)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (0, 1)
+    ]
+    seconds = [float(child.communicate()[0].split()[-1]) for child in children]
+    assert all(child.returncode == 0 for child in children)
+    return max(seconds)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_two_survey_processes_side_by_side(benchmark, record_property):
+    """Seconds of two survey processes side by side under ``SCHED_BATCH`` (as the plugin runs
+    them) and under the default policy, alternated; medians of two. The ratio is the
+    report (docs/search-speed.md, "Two survey processes on two cores"); nothing is asserted
+    on time."""
+    benchmark.group = "search: two survey processes side by side (tqbatch, ci profile)"
+    examples = 60 if FULL else 20
+    batch, default = [_side_by_side("batch", examples)], [_side_by_side("default", examples)]
+    batch.append(benchmark.pedantic(_side_by_side, args=("batch", examples), rounds=1))
+    default.append(_side_by_side("default", examples))
+    ratio = statistics.median(batch) / statistics.median(default)
+    benchmark.extra_info.update(
+        examples=examples,
+        batch_seconds=statistics.median(batch),
+        default_seconds=statistics.median(default),
+        ratio=ratio,
+    )
+    record_property(
+        "side by side",
+        f"{statistics.median(batch):.1f} s under SCHED_BATCH, "
+        f"{statistics.median(default):.1f} s under the default policy (x{ratio:.2f})",
     )
