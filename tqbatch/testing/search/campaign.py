@@ -404,7 +404,11 @@ def run_campaign(
             observer.clear_failures()
             try:
                 with shrink_budget(shrink_runs, clock):
-                    hypothesis_internals.run_machine(Counting, round_settings, key)
+                    # Hypothesis's simplest example is the same in every round:
+                    # the first generating round runs it, the others draw another.
+                    hypothesis_internals.run_machine(
+                        Counting, round_settings, key, simplest=generating <= 1
+                    )
             except Unsatisfiable:
                 result.exhausted = True  # every example hit a known, diverging failure
                 round_done(was_replaying)

@@ -14,7 +14,8 @@ what to read.
 - ``observability`` and ``no_coverage_tracing``: its observability callbacks
   and coverage flag (``hypothesis.internal.observability``);
 - ``run_machine``: a state machine's test under an explicit database key, the
-  class digested once (``hypothesis.stateful.function_digest``);
+  class digested once (``hypothesis.stateful.function_digest``), optionally
+  without the engine's simplest example (``hypothesis.internal.conjecture.engine``);
 - ``replaying_final``: whether the running example is the shrunk one's
   final replay (``hypothesis.control``).
 """
@@ -146,7 +147,9 @@ def no_coverage_tracing():
         observability.OBSERVABILITY_COLLECT_COVERAGE = before
 
 
-def run_machine(machine: type, round_settings: settings, key: bytes) -> None:
+def run_machine(
+    machine: type, round_settings: settings, key: bytes, *, simplest: bool = True
+) -> None:
     """``run_state_machine_as_test(machine)``, saving examples under the database key ``key``.
 
     Hypothesis would key them by a digest of the machine class (the same
@@ -161,11 +164,49 @@ def run_machine(machine: type, round_settings: settings, key: bytes) -> None:
     (for a class defined in a function, a parse of its whole module: 12 ms
     a round here); a campaign runs the same class round after round, so the
     digest is taken once per class (``_digest_once``): the same bytes.
+
+    ``simplest=False``: the engine's first example, every choice its simplest,
+    is not run (``_without_simplest_example``); it is the same whatever the
+    seed, so a campaign that runs one Hypothesis run per round of 5 examples
+    would otherwise spend a fifth of its budget repeating it.
     """
     with _digest_once(machine):
         test = get_state_machine_test(machine, settings=round_settings)
     test._hypothesis_internal_database_key = key
-    test()
+    with contextlib.nullcontext() if simplest else _without_simplest_example():
+        test()
+
+
+@contextlib.contextmanager
+def _without_simplest_example() -> Iterator[None]:
+    """While inside, the engine's simplest example comes back as an overrun, unrun.
+
+    The engine runs it first (``generate_new_test_cases``), and an overrun
+    there only raises the ``large_base_example`` health check, which campaigns
+    suppress; generation then goes on from random choices as it does after it.
+    Rejecting the example from the test instead would not do: rejected before
+    its first choice, it tells the engine every example is rejected.
+    """
+    try:
+        from hypothesis.internal.conjecture.choice import ChoiceTemplate
+        from hypothesis.internal.conjecture.data import Overrun
+        from hypothesis.internal.conjecture.engine import ConjectureRunner
+    except ImportError:  # pragma: no cover - depends on the Hypothesis version
+        yield
+        return
+    simplest = (ChoiceTemplate("simplest", count=None),)
+    original = ConjectureRunner.cached_test_function
+
+    def cached_test_function(self, choices, *args, **kwargs):
+        if tuple(choices) == simplest:
+            return Overrun
+        return original(self, choices, *args, **kwargs)
+
+    ConjectureRunner.cached_test_function = cached_test_function
+    try:
+        yield
+    finally:
+        ConjectureRunner.cached_test_function = original
 
 
 _DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
