@@ -146,9 +146,9 @@ def _side_by_side(scheduling: str, examples: int) -> float:
         )
         for seed in (0, 1)
     ]
-    seconds = [float(child.communicate()[0].split()[-1]) for child in children]
-    assert all(child.returncode == 0 for child in children)
-    return max(seconds)
+    outputs = [child.communicate()[0] for child in children]
+    assert all(child.returncode == 0 for child in children), outputs
+    return max(float(output.split()[-1]) for output in outputs)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")

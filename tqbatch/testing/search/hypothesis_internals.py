@@ -26,6 +26,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import Iterator
+from unittest import mock
 
 import hypothesis.stateful
 from hypothesis import settings
@@ -202,11 +203,8 @@ def _without_simplest_example() -> Iterator[None]:
             return Overrun
         return original(self, choices, *args, **kwargs)
 
-    ConjectureRunner.cached_test_function = cached_test_function
-    try:
+    with mock.patch.object(ConjectureRunner, "cached_test_function", cached_test_function):
         yield
-    finally:
-        ConjectureRunner.cached_test_function = original
 
 
 _DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -227,11 +225,8 @@ def _digest_once(machine: type) -> Iterator[None]:
             _DIGESTS[machine] = original(machine)
         return _DIGESTS[machine]
 
-    hypothesis.stateful.function_digest = digest
-    try:
+    with mock.patch.object(hypothesis.stateful, "function_digest", digest):
         yield
-    finally:
-        hypothesis.stateful.function_digest = original
 
 
 def replaying_final() -> bool:

@@ -11,7 +11,16 @@ from typing import Any, NamedTuple
 
 from tqbatch.testing.contract.checks import Check
 
-__all__ = ["BadInput", "BatchShape", "Op", "Recorded", "Rule", "Vocabulary", "out_of_domain"]
+__all__ = [
+    "BadInput",
+    "BatchShape",
+    "Op",
+    "Recorded",
+    "Rule",
+    "Vocabulary",
+    "out_of_domain",
+    "require_row_counts",
+]
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,13 @@ def out_of_domain(op: dict, what: str) -> ValueError:
     return ValueError(
         f"{op['op']}: {what} (bad input belongs in an expect_error op): {json.dumps(op)}"
     )
+
+
+def require_row_counts(op: dict, field: str, rows: int) -> None:
+    """``out_of_domain`` unless ``op[field]`` gives one count >= 0 for each of ``rows`` rows."""
+    counts = [int(c) for c in op[field]]
+    if len(counts) != rows or min(counts, default=0) < 0:
+        raise out_of_domain(op, f"{field} must give a count >= 0 for each of the {rows} rows")
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,20 @@ from hypothesis import strategies as st
 
 from tqbatch.testing.contract import strategies as tqs
 from tqbatch.testing.contract.ops.batches import other_batch_ops
-from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule, out_of_domain
+from tqbatch.testing.contract.ops.declaration import (
+    BadInput,
+    Op,
+    Rule,
+    out_of_domain,
+    require_row_counts,
+)
 from tqbatch.testing.contract.ops.filter import filter_indices
 
 
 def _validate(world, op):
-    rows = world.numpy_model.batch_size
     for name in ("left_padding", "right_padding"):
-        padding = op.get(name)
-        if padding is not None and (len(padding) != rows or min(padding, default=0) < 0):
-            raise out_of_domain(op, f"{name} must give a count >= 0 for each of the {rows} rows")
+        if op.get(name) is not None:
+            require_row_counts(op, name, world.numpy_model.batch_size)
     if op.get("left_padding") is not None and world.numpy_model.end > 0:
         raise out_of_domain(op, "left padding is announced before the prefill, not after a write")
 

@@ -15,14 +15,11 @@ import numpy as np
 from hypothesis import strategies as st
 
 from tqbatch.testing.contract import strategies as tqs
-from tqbatch.testing.contract.ops.declaration import Op, Rule, out_of_domain
+from tqbatch.testing.contract.ops.declaration import Op, Rule, out_of_domain, require_row_counts
 
 
 def _validate(world, op):
-    rows = world.numpy_model.batch_size
-    n = [int(x) for x in op["n"]]
-    if len(n) != rows or min(n, default=0) < 0:
-        raise out_of_domain(op, f"n must give a count >= 0 for each of the {rows} rows")
+    require_row_counts(op, "n", world.numpy_model.batch_size)
     if world.numpy_model.right_padding is not None:
         raise out_of_domain(op, "right padding is pending; finalize the prefill first")
 
