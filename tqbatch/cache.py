@@ -57,9 +57,9 @@ def _name(obj) -> str:
 def _quantized_single(cache, config: tuple, what: str) -> TurboQuantKVCache:
     """A full-precision single cache's tokens in a ``TurboQuantKVCache`` of ``config``.
 
-    As ``TurboQuantKVCache.from_cache`` does: the written tokens go
-    through ``update_and_fetch`` at once, and quantization is per token, so
-    each token gets the codes it would have got written one at a time.
+    As ``TurboQuantKVCache.from_cache`` does: the written tokens are quantized
+    at once, as ``update_and_fetch`` would write them, and quantization is per
+    token, so each token gets the codes it would have got written one at a time.
     """
     bits, key_bits, value_bits, seed = config
     single = TurboQuantKVCache(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
@@ -74,8 +74,23 @@ def _quantized_single(cache, config: tuple, what: str) -> TurboQuantKVCache:
             f"{what} holds keys {keys.shape} and values {values.shape}; a single-request "
             "cache holds (1, H, T, D)"
         )
-    single.update_and_fetch(keys, values)
+    # update_and_fetch's writes, through tqbatch's codec ops: off Metal, mlx-vlm's
+    # own would pack with a Python loop over the coordinates (milliseconds a member).
+    single._ensure_codecs(keys, values)
+    single.keys, single.values = _quantized_states(single, keys, values)
+    single.offset = written
     return single
+
+
+def _quantized_states(cache: TurboQuantKVCache, keys: mx.array, values: mx.array):
+    """The packed states of (B, H, T, D) keys and values under ``cache``'s codecs, bit for bit
+    those mlx-vlm's ``update_and_fetch`` writes."""
+    # mlx-vlm's fused key+value write is a Metal kernel: only where the work runs there.
+    if metal_kernels_here():
+        new_keys, new_values = cache._try_fused_kv_quantize(keys, values)
+        if new_keys is not None:
+            return new_keys, new_values
+    return _codec.quantize(cache.key_codec, keys), _codec.quantize(cache.value_codec, values)
 
 
 def _check_packed_width(codec, state, name: str):
@@ -287,22 +302,13 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             self.value_codec.dim if self.value_codec is not None else None,
         )
 
-    def _quantize(self, keys: mx.array, values: mx.array):
-        """The packed states of (B, H, T, D) keys and values, as a write stores them."""
-        # mlx-vlm's fused key+value write is a Metal kernel: only where the work runs there.
-        if metal_kernels_here():
-            new_keys, new_values = self._try_fused_kv_quantize(keys, values)
-            if new_keys is not None:
-                return new_keys, new_values
-        return _codec.quantize(self.key_codec, keys), _codec.quantize(self.value_codec, values)
-
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append ``T`` tokens to every row at the written end; return all written slots."""
         self._check_kv(keys, values)
         fresh = self.key_codec is None
         self._ensure_codecs(keys, values)
         try:
-            new_keys, new_values = self._quantize(keys, values)
+            new_keys, new_values = _quantized_states(self, keys, values)
         except BaseException:
             if fresh:  # a failed first write leaves no codecs behind
                 self.key_codec = self.value_codec = None

@@ -66,15 +66,19 @@ def _snapshot(cache):
 
 @pytest.mark.parametrize("kv_class", list(KV_CLASSES), ids=str)
 @pytest.mark.parametrize("lengths", [[5, 3], [0, 4], [6, 0, 2]], ids=str)
-def test_merge_quantizes_full_precision_members_like_a_turboquant_cache(kv_class, lengths, rng):
-    """A TurboQuant member fixes the configuration (3.5 bits, seed 5); the KVCache
-    members' tokens get exactly the codes of a TurboQuantKVCache of it."""
+@pytest.mark.parametrize("bits", [3.5, 3.0], ids=lambda b: f"bits={b}")
+def test_merge_quantizes_full_precision_members_like_a_turboquant_cache(
+    kv_class, lengths, bits, rng
+):
+    """A TurboQuant member fixes the configuration (seed 5; 3.5 bits: mlx-vlm's split
+    codecs, 3 bits: tqbatch's codec ops); the KVCache members' tokens get exactly the
+    codes of a TurboQuantKVCache of it."""
     kvs = [_kv(rng, n) for n in lengths]
-    config = {"bits": 3.5, "seed": 5}
+    config = {"bits": bits, "seed": 5}
     members = [_reference(kvs[0], **config)] + [_filled(KV_CLASSES[kv_class], kv) for kv in kvs[1:]]
     before = [_snapshot(m) for m in members[1:]]
     batch = Impl.merge(members)
-    assert (batch.bits, batch.seed) == (3.5, 5)
+    assert (batch.bits, batch.seed) == (bits, 5)
     _assert_rows_are_references(batch, kvs, [_reference(kv, **config) for kv in kvs])
     for member, old in zip(members[1:], before):  # handed-over caches are not modified
         now = _snapshot(member)

@@ -1,4 +1,4 @@
-"""A campaign has Hypothesis digest its machine class once, not once per round
+"""Campaigns have Hypothesis digest their machine class once per definition, not once per round
 (``tqbatch.testing.search.hypothesis_internals.run_machine``)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import hypothesis.stateful
 
 from tqbatch import BatchTurboQuantKVCache
-from tqbatch.testing.search import campaign
+from tqbatch.testing.search import campaign, hypothesis_internals
 from tqbatch.testing.search.machine_observer import MachineObserver
 
 
@@ -19,11 +19,14 @@ def test_the_machine_class_is_digested_once_and_the_digest_function_restored(mon
         return original(function)
 
     monkeypatch.setattr(hypothesis.stateful, "function_digest", counting)
-    result = campaign.run_campaign(
-        BatchTurboQuantKVCache, examples=2 * campaign.ROUND_EXAMPLES, profile="ci"
-    )
-    assert result.rounds == 2
-    assert len(digested) == 1  # one class, two rounds
+    monkeypatch.setattr(hypothesis_internals, "_DIGESTS", {})  # as in a fresh process
+    for _ in range(2):
+        result = campaign.run_campaign(
+            BatchTurboQuantKVCache, examples=2 * campaign.ROUND_EXAMPLES, profile="ci"
+        )
+        assert result.rounds == 2
+    # Two campaigns, each its own class of one definition, two rounds each: one digest.
+    assert len(digested) == 1
     assert hypothesis.stateful.function_digest is counting
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from collections.abc import Iterator
 from unittest import mock
 
@@ -163,8 +162,8 @@ def run_machine(
 
     Hypothesis still digests the class at every call, reading its source
     (for a class defined in a function, a parse of its whole module: 12 ms
-    a round here); a campaign runs the same class round after round, so the
-    digest is taken once per class (``_digest_once``): the same bytes.
+    a round here); campaigns run classes of one definition round after round,
+    so the digest is taken once per definition (``_digest_once``): the same bytes.
 
     ``simplest=False``: the engine's first example, every choice its simplest,
     is not run (``_without_simplest_example``); it is the same whatever the
@@ -207,23 +206,28 @@ def _without_simplest_example() -> Iterator[None]:
         yield
 
 
-_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# (module, qualified name) -> digest. A campaign makes its machine class anew
+# (``machine_for``), but the digest reads only the class's source and signature,
+# which its definition fixes: one parse per definition and process.
+_DIGESTS: dict[tuple[str, str], bytes] = {}
 
 
 @contextlib.contextmanager
 def _digest_once(machine: type) -> Iterator[None]:
-    """``hypothesis.stateful.function_digest(machine)`` computed once per class, while inside."""
+    """``hypothesis.stateful.function_digest(machine)`` computed once per class definition,
+    while inside."""
     original = getattr(hypothesis.stateful, "function_digest", None)
     if original is None:  # pragma: no cover - depends on the Hypothesis version
         yield
         return
+    definition = (machine.__module__, machine.__qualname__)
 
     def digest(function):
         if function is not machine:
             return original(function)
-        if machine not in _DIGESTS:
-            _DIGESTS[machine] = original(machine)
-        return _DIGESTS[machine]
+        if definition not in _DIGESTS:
+            _DIGESTS[definition] = original(machine)
+        return _DIGESTS[definition]
 
     with mock.patch.object(hypothesis.stateful, "function_digest", digest):
         yield
