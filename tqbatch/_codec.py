@@ -205,12 +205,23 @@ def _lookup_table(codec, unit) -> mx.array:
     attribute = f"_tqbatch_table_{width}"
     table = getattr(codec, attribute, None)
     if table is None:
-        shifts = np.arange(width // codec.bits) * codec.bits
-        codes = (np.arange(2**width)[:, None] >> shifts) & ((1 << codec.bits) - 1)
-        table = mx.take(codec.codebook, mx.array(codes.astype(np.int32)), axis=0)
-        mx.eval(table)
+        # Every cache builds codecs of its own, but of a few codebooks (one per
+        # width and head dim): a table is built once per codebook's values.
+        values = codec.codebook
+        key = (width, codec.bits, str(values.dtype), np.array(values.astype(mx.float32)).tobytes())
+        table = _TABLES.get(key)
+        if table is None:
+            shifts = np.arange(width // codec.bits) * codec.bits
+            codes = (np.arange(2**width)[:, None] >> shifts) & ((1 << codec.bits) - 1)
+            table = mx.take(values, mx.array(codes.astype(np.int32)), axis=0)
+            mx.eval(table)
+            _TABLES[key] = table
         setattr(codec, attribute, table)
     return table
+
+
+# (width, bits, codebook dtype, codebook values) -> lookup table; see _lookup_table.
+_TABLES: dict[tuple, mx.array] = {}
 
 
 def dequantize(codec, state) -> mx.array:

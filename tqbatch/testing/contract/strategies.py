@@ -12,6 +12,8 @@ imports nothing of tqbatch.
 
 from __future__ import annotations
 
+import functools
+
 from hypothesis import strategies as st
 
 __all__ = [
@@ -59,6 +61,7 @@ def configs(capabilities: dict | None = None):
     )
 
 
+@functools.cache  # one object per arguments: Hypothesis analyses every new strategy
 @st.composite
 def left_padded_prefill_ops(draw, max_rows: int = MAX_ROWS):
     """Constructor, prepare(left_padding), then a prefill covering the padding."""
@@ -73,6 +76,7 @@ def left_padded_prefill_ops(draw, max_rows: int = MAX_ROWS):
     ]
 
 
+@functools.cache  # one object per arguments: Hypothesis analyses every new strategy
 @st.composite
 def right_padded_prefill_ops(draw, rows: int | None = None, max_rows: int = MAX_ROWS):
     """prepare(right_padding) + prefill + finalize, on a new batch (rows=None) or on ``rows``."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 from hypothesis import strategies as st
@@ -17,6 +19,7 @@ from tqbatch.testing.oracles.reference import to_numpy
 from tqbatch.testing.oracles.tolerances import CROSS_PLATFORM_NOTE, attention_tolerance
 
 
+@functools.cache  # one object per arguments: Hypothesis analyses every new strategy
 @st.composite
 def attend_op(draw, kv_heads: int, max_queries: int = tqs.MAX_BLOCK):
     """A forward step: N queries (GQA: q_heads a multiple of kv_heads), N new tokens."""

@@ -7,6 +7,8 @@ and ``prepare`` draw the other batch of an extend with ``other_batch_ops``.
 
 from __future__ import annotations
 
+import functools
+
 from hypothesis import strategies as st
 
 from tqbatch.testing.contract.ops.merge import merge_op
@@ -21,6 +23,7 @@ from tqbatch.testing.contract.strategies import (
 __all__ = ["b1_decoded_ops", "first_batch_ops", "other_batch_ops", "written_batch_ops"]
 
 
+@functools.cache  # one object per arguments: Hypothesis analyses every new strategy
 @st.composite
 def b1_decoded_ops(draw):
     """A single request that decoded alone first (for late joins)."""
@@ -30,6 +33,7 @@ def b1_decoded_ops(draw):
     return ops
 
 
+@functools.cache  # one object per arguments: Hypothesis analyses every new strategy
 @st.composite
 def written_batch_ops(draw, max_rows: int = MAX_ROWS):
     """Constructor with left padding, then a prefill covering it: a written batch built the

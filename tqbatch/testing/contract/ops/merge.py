@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ from tqbatch.testing.oracles.packing import vectorized_packing
 from tqbatch.testing.oracles.reference import DenseReference
 
 
+@functools.cache  # one object per arguments: Hypothesis analyses every new strategy
 @st.composite
 def merge_op(draw, max_rows: int = MAX_ROWS, rebatch: bool = False):
     """Merge of single requests, empty members (length 0) included.
