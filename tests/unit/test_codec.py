@@ -162,3 +162,20 @@ def test_attention_matches_dequantize_sdpa_and_mlx_vlm(case):
             for route, want in routes.items():
                 ratio = excess_ratios(got[b], to_numpy(want)[b], tol)
                 assert ratio.max() <= 1.0, (name, route, b, float(ratio.max()))
+
+
+def test_a_lookup_table_is_built_once_per_codebook_and_follows_its_values():
+    """Codecs of one codebook share its table; a codebook with other values (a
+    target that changed its codec's) gets a table of its own, and reads back
+    through it."""
+    first, second = (_TurboQuantMSECodec(64, 4, seed=s) for s in (1, 2))
+    state = first.quantize(mx.array(np.random.default_rng(0).standard_normal((1, 2, 3, 64))))
+    for codec in (first, second):
+        _codec.dequantize(codec, state)
+    assert first._tqbatch_table_16 is second._tqbatch_table_16
+
+    changed = _TurboQuantMSECodec(64, 4, seed=1)
+    changed.codebook = changed.codebook * 2
+    got = to_numpy(_codec.dequantize(changed, state))
+    assert changed._tqbatch_table_16 is not first._tqbatch_table_16
+    np.testing.assert_array_equal(got, 2 * to_numpy(_codec.dequantize(first, state)))
