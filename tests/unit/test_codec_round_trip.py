@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from mlx_vlm.turboquant import _build_codec, _SplitCodec, _TurboQuantMSECodec
 
-from tqbatch.testing.oracles.codec_round_trip import _midpoints_below, round_trip
+from tqbatch.testing.oracles.code_search import midpoints_below
+from tqbatch.testing.oracles.codec_round_trip import round_trip
 
 
 def _tokens(dim: int, positions: int, seed: int) -> mx.array:
@@ -62,4 +63,4 @@ def test_midpoint_count_at_and_beside_every_midpoint(bits):
     want = mx.zeros(x.shape, dtype=mx.uint32)
     for k in range(mids.shape[0]):  # mlx-vlm's _quantize_unit
         want = want + (x > mids[k]).astype(mx.uint32)
-    np.testing.assert_array_equal(np.array(_midpoints_below(mids, x)), np.array(want))
+    np.testing.assert_array_equal(np.array(midpoints_below(mids, x)), np.array(want))

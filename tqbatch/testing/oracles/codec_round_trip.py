@@ -25,6 +25,8 @@ import mlx.core as mx
 from mlx_vlm import turboquant
 from mlx_vlm.turboquant import _EPS, _SplitCodec, _TurboQuantMSECodec
 
+from tqbatch.testing.oracles.code_search import midpoints_below
+
 __all__ = ["round_trip"]
 
 
@@ -57,31 +59,7 @@ def _mse_round_trip(codec, tokens: mx.array) -> mx.array:
         unit = mx.zeros(x.shape[:-1] + (codec.dim,), dtype=mx.float32)
     else:
         rotated = codec._rotate_forward(x / mx.maximum(norms[..., None], _EPS))
-        codes = _midpoints_below(codec._midpoints, rotated)
+        codes = midpoints_below(codec._midpoints, rotated)
         # _dequantize_unit: the codes' codebook values, rotated back.
         unit = codec._rotate_inverse(mx.take(codec.codebook, codes, axis=0))
     return norms.astype(mx.float16)[..., None].astype(unit.dtype) * unit
-
-
-def _midpoints_below(midpoints: mx.array, x: mx.array) -> mx.array:
-    """Per element of ``x``, how many of the ascending ``midpoints`` it exceeds (int32).
-
-    mlx-vlm sums ``x > midpoints[m]`` over every m: 255 ops at 8 bits. Over
-    ascending midpoints that predicate holds for a prefix of them, so a
-    binary search for the prefix's length finds the same count in log2 steps
-    (a NaN exceeds none: 0 either way). Not ``tqbatch._codec``'s search,
-    which does the same: the references are the oracle for tqbatch's cache
-    and must not share the code they judge.
-    """
-    n = midpoints.shape[0]
-    count = mx.zeros(x.shape, dtype=mx.int32)
-    step = 1
-    while step * 2 <= n:
-        step *= 2
-    while step:
-        candidate = count + step  # does x exceed midpoint candidate - 1?
-        inside = candidate <= n
-        probe = mx.take(midpoints, mx.minimum(candidate, n) - 1)
-        count = mx.where(inside & (x > probe), candidate, count)
-        step //= 2
-    return count

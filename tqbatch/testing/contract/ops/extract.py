@@ -10,9 +10,9 @@ from tqbatch.testing.contract.checks import CONTRACT, POLICY, Check
 from tqbatch.testing.contract.observation import packed_leaves
 from tqbatch.testing.contract.ops.declaration import BadInput, Op, Recorded, Rule, out_of_domain
 from tqbatch.testing.oracles.judges import judge_tokens
-from tqbatch.testing.oracles.packing import vectorized_packing
 from tqbatch.testing.oracles.reference import to_numpy
 from tqbatch.testing.oracles.tolerances import CROSS_PLATFORM_NOTE, EXACT, PACKED_CROSS_PLATFORM
+from tqbatch.testing.oracles.vectorized_fallback import vectorized_fallback
 
 
 def _validate(world, op):
@@ -49,7 +49,7 @@ def _oracles(world, op, single):
         return {"length": length}
     out = {"length": length}
     if length:
-        with vectorized_packing():  # the harness reading an mlx-vlm cache, not the target
+        with vectorized_fallback():  # the harness reading an mlx-vlm cache, not the target
             got_k, got_v = single.dequantize()
         got_k, got_v = to_numpy(got_k[0]), to_numpy(got_v[0])
         for side, (name, got) in enumerate((("keys", got_k), ("values", got_v))):
@@ -83,7 +83,7 @@ def _oracles(world, op, single):
         # The extracted cache must be independent: append a poison token to it;
         # the checks after the op then show the batch row did not move.
         poison = world.poison_row_token(1, np.random.default_rng(b))
-        with vectorized_packing():
+        with vectorized_fallback():
             single.update_and_fetch(poison, poison)
             mx.eval(single.keys, single.values)
     return out

@@ -12,8 +12,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule, out_of_domain
 from tqbatch.testing.contract.strategies import MAX_PROMPT, MAX_ROWS, seeds
 from tqbatch.testing.oracles.generation import POISON
-from tqbatch.testing.oracles.packing import vectorized_packing
 from tqbatch.testing.oracles.reference import DenseReference
+from tqbatch.testing.oracles.vectorized_fallback import vectorized_fallback
 
 
 @functools.cache  # one object per arguments: Hypothesis analyses every new strategy
@@ -115,8 +115,8 @@ def _by_merge(world, op, members):
         singles = [
             KVCache() if i in full_precision else world.single(s) for i, s in enumerate(seeds_)
         ]
-    # The harness's own writes: mlx-vlm's update_and_fetch, its packing vectorized.
-    with vectorized_packing():
+    # The harness's own writes: mlx-vlm's update_and_fetch, its fallback vectorized.
+    with vectorized_fallback():
         for single, (k, v) in zip(singles, members):
             if k.shape[1] and not op.get("foreign"):
                 single.update_and_fetch(mx.array(k[None]), mx.array(v[None]))

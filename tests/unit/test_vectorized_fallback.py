@@ -1,4 +1,5 @@
-"""The harness's vectorized packing against mlx-vlm's own, bit for bit."""
+"""The harness's vectorized fallback (packing, unpacking, code search) against mlx-vlm's
+own, bit for bit."""
 
 from __future__ import annotations
 
@@ -9,12 +10,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 from mlx_vlm import turboquant
-from mlx_vlm.turboquant import TurboQuantKVCache
+from mlx_vlm.turboquant import TurboQuantKVCache, _TurboQuantMSECodec
 
-from tqbatch.testing.oracles.packing import pack_lowbit, unpack_lowbit, vectorized_packing
+from tqbatch.testing.oracles.vectorized_fallback import (
+    pack_lowbit,
+    quantize_unit,
+    unpack_lowbit,
+    vectorized_fallback,
+)
 
 # mlx-vlm's fallback loops, held before any test could leave a replacement behind.
 MLX_VLM_PACK, MLX_VLM_UNPACK = turboquant._pack_lowbit, turboquant._unpack_lowbit
+MLX_VLM_QUANTIZE_UNIT = _TurboQuantMSECodec._quantize_unit
 
 pytestmark = pytest.mark.skipif(
     turboquant._metal_available(), reason="mlx-vlm packs with its Metal kernels here"
@@ -71,7 +78,7 @@ def test_a_member_written_inside_is_the_same_cache(bits, tokens):
     values = mx.array(rng.standard_normal((1, 2, tokens, 64)).astype(np.float32))
     plain, fast = TurboQuantKVCache(bits=bits, seed=3), TurboQuantKVCache(bits=bits, seed=3)
     plain.update_and_fetch(keys, values)
-    with vectorized_packing():
+    with vectorized_fallback():
         fast.update_and_fetch(keys, values)
         read = fast.dequantize()
     assert fast.offset == plain.offset and fast.meta_state == plain.meta_state
@@ -85,11 +92,13 @@ def test_a_member_written_inside_is_the_same_cache(bits, tokens):
 
 def test_only_inside_the_block():
     """mlx-vlm's own functions are back after the block, also when it raises."""
-    with pytest.raises(RuntimeError), vectorized_packing():
+    with pytest.raises(RuntimeError), vectorized_fallback():
         assert turboquant._pack_lowbit is not MLX_VLM_PACK
+        assert _TurboQuantMSECodec._quantize_unit is not MLX_VLM_QUANTIZE_UNIT
         raise RuntimeError
     assert turboquant._pack_lowbit is MLX_VLM_PACK
     assert turboquant._unpack_lowbit is MLX_VLM_UNPACK
+    assert _TurboQuantMSECodec._quantize_unit is MLX_VLM_QUANTIZE_UNIT
 
 
 def test_a_short_packed_row_goes_to_mlx_vlm():
@@ -102,9 +111,29 @@ def test_a_short_packed_row_goes_to_mlx_vlm():
 
     turboquant._unpack_lowbit = spy
     try:
-        with vectorized_packing():
+        with vectorized_fallback():
             turboquant._unpack_lowbit(mx.zeros((1, 1), dtype=mx.uint32), 4, 64)
             turboquant._unpack_lowbit(mx.zeros((1, 8), dtype=mx.uint32), 4, 64)
     finally:
         turboquant._unpack_lowbit = MLX_VLM_UNPACK
     assert seen == [(1, 4, 64)]
+
+
+@pytest.mark.parametrize("bits", range(0, 9))
+@pytest.mark.parametrize("dim", [64, 80])  # a Hadamard rotation, a dense one
+def test_the_code_search_writes_mlx_vlm_codes(bits, dim):
+    """Unit vectors, a zero one, and one whose coordinates rotate to about the codebook's
+    midpoints (the search's boundary cases): mlx-vlm's packed codes."""
+    codec = _TurboQuantMSECodec(dim, bits, seed=5)
+    rng = np.random.default_rng(bits * 100 + dim)
+    x = rng.standard_normal((12, dim)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=-1, keepdims=True)
+    x[0] = 0.0
+    unit = mx.array(x)
+    if bits:  # rotated coordinates exactly on midpoints, rotated back
+        mids = np.array(codec._midpoints)
+        on = np.resize(mids, (dim,)).astype(np.float32)
+        unit = mx.concatenate([unit, codec._rotate_inverse(mx.array(on))[None]], axis=0)
+    got, want = quantize_unit(codec, unit), MLX_VLM_QUANTIZE_UNIT(codec, unit)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.array(got), np.array(want))

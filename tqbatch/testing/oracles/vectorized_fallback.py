@@ -1,32 +1,40 @@
-"""mlx-vlm's low-bit packing, vectorized, for the single-request caches the harness handles.
+"""mlx-vlm's off-Metal fallback, vectorized, for the single-request caches the harness handles.
 
 The harness writes and reads mlx-vlm ``TurboQuantKVCache``s of its own: the
 members a ``merge`` op hands to the target (prefilled through the cache's
 own ``update_and_fetch``) and the single caches an ``extract`` returns
 (read back with ``dequantize``, written with a poison token). Off Metal,
-mlx-vlm packs and unpacks codes with a Python loop over the coordinates, a
-scatter each (``_pack_lowbit``, ``_unpack_lowbit``): the largest part of
-what building a member costs. The packed form is a little-endian bit
-stream (code ``i``'s bit ``j`` is bit ``i * bits + j`` of the row), so
-both directions are a few whole-array ops.
+mlx-vlm's codec packs and unpacks codes with a Python loop over the
+coordinates, a scatter each (``_pack_lowbit``, ``_unpack_lowbit``), and
+finds each coordinate's code with a comparison per codebook midpoint
+(``_TurboQuantMSECodec._quantize_unit``): most of what building a member
+costs. The packed form is a little-endian bit stream (code ``i``'s bit
+``j`` is bit ``i * bits + j`` of the row), so both packing directions are a
+few whole-array ops, and the code search is a binary search over the
+ascending midpoints (``tqbatch.testing.oracles.code_search``).
 
-``vectorized_packing()`` puts these in place of mlx-vlm's two functions for
-the duration of a ``with`` block and only there: the target's own calls
+``vectorized_fallback()`` puts these in place of mlx-vlm's three for the
+duration of a ``with`` block and only there: the target's own calls
 (mlx-vlm's class as a target packs through the same module) never run
-inside one. Where mlx-vlm's Metal gate is open its kernels do the packing,
-and nothing is replaced. ``tests/unit/test_packing.py`` shows both equal to
-mlx-vlm's, bit for bit, at every width and length the harness uses.
+inside one. Where mlx-vlm's Metal gate is open its kernels do the work,
+and nothing is replaced. ``tests/unit/test_vectorized_fallback.py`` shows
+them equal to mlx-vlm's, bit for bit, at every width and length the
+harness uses.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from unittest import mock
 
 import mlx.core as mx
 from mlx_vlm import turboquant
+from mlx_vlm.turboquant import _TurboQuantMSECodec
 
-__all__ = ["pack_lowbit", "unpack_lowbit", "vectorized_packing"]
+from tqbatch.testing.oracles.code_search import midpoints_below
+
+__all__ = ["pack_lowbit", "quantize_unit", "unpack_lowbit", "vectorized_fallback"]
 
 
 def pack_lowbit(values: mx.array, bits: int) -> mx.array:
@@ -57,26 +65,36 @@ def unpack_lowbit(packed: mx.array, bits: int, length: int) -> mx.array:
     return codes.reshape((*packed.shape[:-1], length))
 
 
-@contextlib.contextmanager
-def vectorized_packing() -> Iterator[None]:
-    """mlx-vlm packs and unpacks with ``pack_lowbit``/``unpack_lowbit`` inside the block.
+def quantize_unit(codec, unit_vectors: mx.array) -> mx.array:
+    """``_TurboQuantMSECodec._quantize_unit``: the packed codes of (..., D) unit vectors."""
+    if codec.bits == 0:
+        return mx.zeros((*unit_vectors.shape[:-1], 0), dtype=mx.uint32)
+    rotated = codec._rotate_forward(unit_vectors)
+    return pack_lowbit(midpoints_below(codec._midpoints, rotated), codec.bits)
 
-    Off Metal only (mlx-vlm's kernels pack there). A packed row too short for
-    the codes asked of it goes to mlx-vlm's own loop, so that whatever it
-    makes of a malformed state is what the harness sees.
+
+@contextlib.contextmanager
+def vectorized_fallback() -> Iterator[None]:
+    """mlx-vlm packs, unpacks and searches codes with ``pack_lowbit``, ``unpack_lowbit``
+    and ``quantize_unit`` inside the block.
+
+    Off Metal only (mlx-vlm's kernels do the work there). A packed row too
+    short for the codes asked of it goes to mlx-vlm's own loop, so that
+    whatever it makes of a malformed state is what the harness sees.
     """
     if turboquant._metal_available():
         yield
         return
-    mlx_vlm_pack, mlx_vlm_unpack = turboquant._pack_lowbit, turboquant._unpack_lowbit
+    mlx_vlm_unpack = turboquant._unpack_lowbit
 
     def unpack(packed, bits, length):
         if bits and packed.shape[-1] * 32 < length * bits:
             return mlx_vlm_unpack(packed, bits, length)
         return unpack_lowbit(packed, bits, length)
 
-    turboquant._pack_lowbit, turboquant._unpack_lowbit = pack_lowbit, unpack
-    try:
+    with (
+        mock.patch.object(turboquant, "_pack_lowbit", pack_lowbit),
+        mock.patch.object(turboquant, "_unpack_lowbit", unpack),
+        mock.patch.object(_TurboQuantMSECodec, "_quantize_unit", quantize_unit),
+    ):
         yield
-    finally:
-        turboquant._pack_lowbit, turboquant._unpack_lowbit = mlx_vlm_pack, mlx_vlm_unpack
