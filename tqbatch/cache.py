@@ -302,13 +302,17 @@ class BatchTurboQuantKVCache(TurboQuantKVCache):
             self.value_codec.dim if self.value_codec is not None else None,
         )
 
+    def _quantize(self, keys: mx.array, values: mx.array):
+        """The packed states of (B, H, T, D) keys and values, as a write stores them."""
+        return _quantized_states(self, keys, values)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append ``T`` tokens to every row at the written end; return all written slots."""
         self._check_kv(keys, values)
         fresh = self.key_codec is None
         self._ensure_codecs(keys, values)
         try:
-            new_keys, new_values = _quantized_states(self, keys, values)
+            new_keys, new_values = self._quantize(keys, values)
         except BaseException:
             if fresh:  # a failed first write leaves no codecs behind
                 self.key_codec = self.value_codec = None

@@ -70,12 +70,16 @@ def as_ints(x) -> list[int]:
     return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
 
 
+# (checks, written end, left padding) -> BatchKVCache's masks; see DenseReference.masks.
+_MASKS: dict[tuple, list[np.ndarray]] = {}
+_MASKS_KEPT = 1024  # at most about 10 MB (4 rows, 300 slots); cleared when full
+
+
 class DenseReference:
     """mlx-lm's ``BatchKVCache`` in full precision, with snapshotting read-outs."""
 
     def __init__(self, cache: BatchKVCache):
         self.cache = cache
-        self._masks: dict[tuple, list[np.ndarray]] = {}
 
     @classmethod
     def empty(cls, left_padding: Sequence[int]) -> DenseReference:
@@ -116,13 +120,16 @@ class DenseReference:
 
         BatchKVCache's mask is mlx-lm's ``create_causal_mask`` of ``n``, the
         window, its ``_idx`` and its left padding, nothing else: the masks are
-        made once per such geometry and handed out read-only.
+        made once per such geometry and process (the same few geometries come
+        back in every example) and handed out read-only.
         """
         key = (tuple(checks), self.size(), tuple(self.left_padding))
-        if key not in self._masks:
+        if key not in _MASKS:
+            if len(_MASKS) >= _MASKS_KEPT:
+                _MASKS.clear()
             made = [self.cache.make_mask(n, return_array=True, window_size=w) for n, w in checks]
-            self._masks[key] = [_read_only(mask.astype(bool)) for mask in to_numpy_all(*made)]
-        return self._masks[key]
+            _MASKS[key] = [_read_only(mask.astype(bool)) for mask in to_numpy_all(*made)]
+        return _MASKS[key]
 
     def rows_tokens(self, rows: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per row of ``rows``: its full-precision (H, T, D) keys and values from its left
