@@ -92,6 +92,21 @@ def test_tqbatch_caches_alone_follow_the_default_device(tmp_path):
     assert _on_simulated_mac(tmp_path, code) == []
 
 
+def test_a_merge_of_full_precision_rows_follows_the_default_device(tmp_path):
+    """No harness: rows that ran alone in full-precision ``KVCache``s (mlx-vlm's qwen3_5
+    re-batches them so) are quantized without a Metal kernel where the CPU is the default."""
+    code = (
+        "import mlx.core as mx\nmx.set_default_device(mx.cpu)\n"
+        "from mlx_lm.models.cache import KVCache\nfrom tqbatch import BatchTurboQuantKVCache\n"
+        "rows = [KVCache(), KVCache()]\n"
+        "for n, row in zip((5, 3), rows):\n"
+        "    row.update_and_fetch(*(mx.random.normal((1, 2, n, 64)) for _ in 'kv'))\n"
+        "batch = BatchTurboQuantKVCache.configured(bits=4.0).merge(rows)\n"
+        "mx.eval(batch.dequantize())\nprint('done')\n"
+    )
+    assert _on_simulated_mac(tmp_path, code, mode="zeros") == []
+
+
 def test_without_the_lane_mlx_vlm_launches_on_the_gpu(tmp_path):
     """The check can fail: MLX's CPU default alone does not keep mlx-vlm's class off Metal."""
     code = "import mlx.core as mx\nmx.set_default_device(mx.cpu)\n" + EVERY_OP
