@@ -16,6 +16,8 @@ what to read.
 - ``run_machine``: a state machine's test under an explicit database key, the
   class digested once (``hypothesis.stateful.function_digest``), optionally
   without the engine's simplest example (``hypothesis.internal.conjecture.engine``);
+- ``no_local_constants``: its pool of constants found in the code around it
+  (``hypothesis.internal.conjecture.providers``);
 - ``replaying_final``: whether the running example is the shrunk one's
   final replay (``hypothesis.control``).
 """
@@ -36,6 +38,7 @@ from hypothesis.stateful import get_state_machine_test
 __all__ = [
     "RunClock",
     "no_coverage_tracing",
+    "no_local_constants",
     "observing",
     "replaying_final",
     "run_machine",
@@ -147,6 +150,41 @@ def no_coverage_tracing():
         observability.OBSERVABILITY_COLLECT_COVERAGE = before
 
 
+@contextlib.contextmanager
+def no_local_constants() -> Iterator[None]:
+    """Hypothesis draws no constants from the code around it while inside.
+
+    Now and then (one integer draw in 20) Hypothesis draws a constant instead:
+    from its own fixed list, or from the literals of every module imported
+    at the time that it counts as local (not under site-packages, not a test
+    file): the cache owner's package, tqbatch where it runs from a checkout,
+    a script. Which modules those are depends on how things are installed and
+    on what the process has imported, so a derandomized campaign drew other
+    examples in another project, or after a new literal anywhere local
+    (docs/search-speed.md). Inside, that pool is empty and the fixed list
+    remains: the examples depend on the seed, the Hypothesis version and the
+    harness alone. The draws Hypothesis makes are unchanged in number, so
+    nothing else moves. Constant lists cached outside are cleared on the way
+    in and out.
+    """
+    try:
+        from hypothesis.internal.conjecture import providers
+    except ImportError:  # pragma: no cover - depends on the Hypothesis version
+        yield
+        return
+    cache = getattr(getattr(providers, "CONSTANTS_CACHE", None), "cache", None)
+    if not hasattr(providers, "_get_local_constants") or cache is None:
+        yield  # pragma: no cover - a Hypothesis without local constants
+        return
+    empty = providers.Constants()
+    cache.clear()
+    try:
+        with mock.patch.object(providers, "_get_local_constants", lambda: empty):
+            yield
+    finally:
+        cache.clear()
+
+
 def run_machine(
     machine: type, round_settings: settings, key: bytes, *, simplest: bool = True
 ) -> None:
@@ -165,6 +203,9 @@ def run_machine(
     a round here); campaigns run classes of one definition round after round,
     so the digest is taken once per definition (``_digest_once``): the same bytes.
 
+    Hypothesis's pool of constants from local code is left empty
+    (``no_local_constants``): what a campaign draws does not depend on where it runs.
+
     ``simplest=False``: the engine's first example, every choice its simplest,
     is not run (``_without_simplest_example``); it is the same whatever the
     seed, so a campaign that runs one Hypothesis run per round of 5 examples
@@ -173,7 +214,10 @@ def run_machine(
     with _digest_once(machine):
         test = get_state_machine_test(machine, settings=round_settings)
     test._hypothesis_internal_database_key = key
-    with contextlib.nullcontext() if simplest else _without_simplest_example():
+    with (
+        no_local_constants(),
+        contextlib.nullcontext() if simplest else _without_simplest_example(),
+    ):
         test()
 
 
