@@ -33,7 +33,9 @@ import warnings
 from hypothesis import HealthCheck, Phase, settings
 
 import tqbatch
+from tqbatch.testing.backend.codebooks import fast_codebooks
 from tqbatch.testing.mutants import MUTANTS
+from tqbatch.testing.search import hypothesis_internals
 from tqbatch.testing.search.machine_observer import MachineObserver
 from tqbatch.testing.search.profiles import PROFILES
 from tqbatch.testing.search.stateful import UnsupportedOpsWarning, machine_for
@@ -85,7 +87,10 @@ def trace(impl: type, examples: int = EXAMPLES) -> dict:
     start = time.perf_counter()
     error = None
     try:
-        Tracing.TestCase("runTest").runTest()
+        # As run_campaign runs the machine: no constants from local code, and
+        # the codebooks solved by the harness's solve.
+        with hypothesis_internals.no_local_constants(), fast_codebooks():
+            Tracing.TestCase("runTest").runTest()
     except BaseException as exc:  # noqa: BLE001 - what ended the run is part of the trace
         if isinstance(exc, KeyboardInterrupt):
             raise

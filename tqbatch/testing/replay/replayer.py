@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tqbatch.testing.backend.codebooks import fast_codebooks
 from tqbatch.testing.contract.checks import ToleratedDivergence, identity, where_of
 from tqbatch.testing.contract.observation import ObservationError
 from tqbatch.testing.contract.ops import CHECKS, merge, recorded_quantity
@@ -183,15 +184,16 @@ def replay(
         # A missing or stale recording is a divergence, but the ops still run
         # against the oracles, so that an unrecorded failure is reproduced.
         recorded = _load_recording(scenario, result)
-    world = scenario.world(impl)
-    ops = scenario.resolved_ops()
-    result.construction = _construction(world, ops)
-    result.skipped = _unsupported(world, ops)
-    if result.skipped:
-        return result
-    for step, op in enumerate(ops):
-        if not _run_step(world, step, op, scenario, recorded, result):
-            break
+    with fast_codebooks():
+        world = scenario.world(impl)
+        ops = scenario.resolved_ops()
+        result.construction = _construction(world, ops)
+        result.skipped = _unsupported(world, ops)
+        if result.skipped:
+            return result
+        for step, op in enumerate(ops):
+            if not _run_step(world, step, op, scenario, recorded, result):
+                break
     result.tolerated = sorted({f.identity for f in world.tolerated})
     result.seconds = time.perf_counter() - start
     return result

@@ -73,6 +73,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Unsatisfiable
 
+from tqbatch.testing.backend.codebooks import fast_codebooks
 from tqbatch.testing.contract.failure import Failure
 from tqbatch.testing.contract.ops import CHECKS
 from tqbatch.testing.search import hypothesis_internals
@@ -362,7 +363,8 @@ def run_campaign(
                 on_round(result)
 
     Counting.avoid_cases = frozenset(_diverging_cases(listed))
-    with hypothesis_internals.observing(counter.observe) as observed:
+    # Codebooks solved once per process either way; fast_codebooks solves them sooner.
+    with fast_codebooks(), hypothesis_internals.observing(counter.observe) as observed:
         # Where it observes, it reports every run, so none is counted before it says
         # what it was: with a database, a campaign's first run is a replay, not an example.
         counter.observed = observed
