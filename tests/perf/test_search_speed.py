@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -80,8 +81,8 @@ def test_cost_per_example(benchmark, record_property, monkeypatch):
     """Seconds per example of the state machine against tqbatch (ci profile, 10 examples).
 
     The first campaign of a process also pays what a process pays once
-    (mlx-vlm's codebook solves, Hypothesis's scan of local modules for
-    constants): reported as ``first_ms_per_op``. The timed campaigns come
+    (the codebooks its configurations ask for, ``test_codebook_solve``):
+    reported as ``first_ms_per_op``. The timed campaigns come
     after it. For the ratio, the same campaign with the references' round
     trip through mlx-vlm's own quantize and dequantize (its per-coordinate
     packing loops; as before ``tqbatch.testing.oracles.codec_round_trip``),
@@ -116,6 +117,42 @@ def test_cost_per_example(benchmark, record_property, monkeypatch):
         f"{per_example:.2f} s/example, {statistics.median(plain):.1f} ms/op "
         f"(first campaign of the process {first:.1f}; mlx-vlm's own round trip "
         f"{statistics.median(packed):.1f}, x{ratio:.1f})",
+    )
+
+
+# Every (head dim, width) the machine's configurations ask for
+# (tests/unit/test_codebooks.py derives them).
+_CODEBOOKS = [(dim, bits) for dim in (32, 64, 80, 96, 128, 256) for bits in (2, 3, 4, 6, 8)]
+
+
+def test_codebook_solve(benchmark, record_property):
+    """Seconds to solve the codebooks a survey process asks for: mlx-vlm's ``_codebook``
+    and the harness's ``tqbatch.testing.backend.codebooks.solve`` (the same float32
+    values), each uncached, alternated; the ratio is the report."""
+    from mlx_vlm.turboquant import _codebook
+
+    from tqbatch.testing.backend.codebooks import solve
+
+    def seconds(function) -> float:
+        start = time.perf_counter()
+        for dim, bits in _CODEBOOKS:
+            function.__wrapped__(dim, bits)  # uncached
+        return time.perf_counter() - start
+
+    benchmark.group = "search: codebook solves of a survey process"
+    mlx_vlm_seconds, ours = [], []
+    for _ in range(2):
+        mlx_vlm_seconds.append(seconds(_codebook))
+        ours.append(seconds(solve))
+    benchmark.pedantic(seconds, args=(solve,), rounds=1)
+    ratio = min(mlx_vlm_seconds) / min(ours)
+    benchmark.extra_info.update(
+        codebooks=len(_CODEBOOKS), mlx_vlm_s=min(mlx_vlm_seconds), solve_s=min(ours), ratio=ratio
+    )
+    record_property(
+        "codebooks",
+        f"{len(_CODEBOOKS)} codebooks: mlx-vlm {min(mlx_vlm_seconds):.2f} s, the harness's "
+        f"solve {min(ours):.2f} s (x{ratio:.1f})",
     )
 
 

@@ -1,4 +1,4 @@
-"""mlx-vlm's Lloyd-Max codebooks, solved by the same arithmetic in a tenth of the time.
+"""mlx-vlm's Lloyd-Max codebooks, solved by the same arithmetic in an eighth of the time.
 
 Every TurboQuant codec takes its codebook from mlx-vlm's ``_codebook(dim,
 bits)``: a Lloyd-Max solve over a 32,768-point grid, up to 100 rounds, each
