@@ -41,7 +41,7 @@ from tqbatch.testing.contract.checks import CheckFailure, ToleratedDivergence
 from tqbatch.testing.contract.failure import Failure
 from tqbatch.testing.contract.ops import OPS, Rule
 from tqbatch.testing.contract.ops.batches import first_batch_ops
-from tqbatch.testing.search.hypothesis_internals import replaying_final
+from tqbatch.testing.search.hypothesis_internals import no_local_constants, replaying_final
 from tqbatch.testing.search.machine_observer import MachineObserver
 from tqbatch.testing.target import (
     CONFIGURATIONS,
@@ -275,5 +275,21 @@ def machine_for(
 
 
 def machine_test_case(impl: type | None = None, *, contract_checks: bool = True):
-    """A ``unittest.TestCase`` running the machine against ``impl`` under the active profile."""
-    return machine_for(impl, contract_checks=contract_checks).TestCase
+    """A ``unittest.TestCase`` running the machine against ``impl`` under the active profile.
+
+    As in a campaign, Hypothesis draws no constants from the local code around it
+    (``hypothesis_internals.no_local_constants``): the same examples in any project.
+    """
+    machine = machine_for(impl, contract_checks=contract_checks)
+
+    class MachineTest(machine.TestCase):
+        def runTest(self):
+            with no_local_constants():
+                super().runTest()
+
+        # What Hypothesis marks its own runTest with (its pytest plugin reads them).
+        runTest.is_hypothesis_test = True
+        runTest._hypothesis_state_machine_class = machine
+
+    MachineTest.__name__ = MachineTest.__qualname__ = f"{machine.__name__}Test"
+    return MachineTest

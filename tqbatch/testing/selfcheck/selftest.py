@@ -28,7 +28,11 @@ from hypothesis import Phase, settings
 from tqbatch.testing.contract.failure import Failure
 from tqbatch.testing.mutants import CATCHES, MUTANTS
 from tqbatch.testing.search.campaign import MINIMIZE_REPLAYS, SHRINK_RUNS
-from tqbatch.testing.search.hypothesis_internals import RunClock, shrink_budget
+from tqbatch.testing.search.hypothesis_internals import (
+    RunClock,
+    no_local_constants,
+    shrink_budget,
+)
 from tqbatch.testing.search.machine_observer import MachineObserver
 from tqbatch.testing.search.minimize import minimize
 from tqbatch.testing.search.profiles import PROFILES
@@ -103,7 +107,8 @@ def hunt(name: str, *, profile: str | settings = "ci", shrink: bool = False) -> 
         base, phases=phases, print_blob=False, report_multiple_bugs=False
     )
     try:
-        with shrink_budget(SHRINK_RUNS, clock):  # as tqbatch fuzz shrinks
+        # As tqbatch fuzz shrinks, and draws no constants from local code.
+        with shrink_budget(SHRINK_RUNS, clock), no_local_constants():
             Counting.TestCase("runTest").runTest()
     except AssertionError:
         pass  # the machine recorded what failed
