@@ -1,14 +1,18 @@
 """The checks every op is held to: after every op, the target against the oracles.
 
-Each check reads the target on its own and reports into the op's failures
-(``World.report``), so that one quantity that cannot be read or is wrong
-leaves the others to be compared. A check that cannot be evaluated because
-another failed (content when ``dequantize()`` has the wrong shape) is skipped.
+Each check reports into the op's failures (``World.report``), so that one
+quantity that cannot be read or is wrong leaves the others to be compared.
+A check that cannot be evaluated because another failed (content when
+``dequantize()`` has the wrong shape) is skipped. What the checks read of
+the target is read first, in the order they use it, and evaluated in one
+wait (``TargetReads``); a read that raised is reported by the check that
+uses it, as if that check had read it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -27,11 +31,11 @@ MASK_CHECKS = ((1, None), (3, None), (1, 2), (4, 3))
 
 def check_all(world, op) -> None:
     """Every invariant of the current state, each reporting into the op's failures."""
-    checks = [_check_geometry, _check_dense_matches_model, _check_masks, _check_rows]
     if world.contract_checks:
-        checks.insert(0, _check_contract)
-    for check in checks:
-        guarded(world, check, op)
+        guarded(world, _check_contract, op)
+    reads = TargetReads.of(world)
+    for check in (_check_geometry, _check_dense_matches_model, _check_masks, _check_rows):
+        guarded(world, check, op, reads)
 
 
 def guarded(world, check, op, *args) -> None:
@@ -66,14 +70,14 @@ def _check_contract(world, op):
         )
 
 
-def _check_geometry(world, op):
-    t, m, d = world.target, world.numpy_model, world.dense
-    # Each quantity read on its own: one that cannot be read (a ``read``
-    # failure) leaves the others to be compared.
+def _check_geometry(world, op, reads):
+    m, d = world.numpy_model, world.dense
+    # Each quantity on its own: one that cannot be read (a ``read`` failure)
+    # leaves the others to be compared.
     got = {
-        "offset": read(world, op, lambda: as_ints(t.offset)),
-        "left_padding": read(world, op, lambda: as_ints(t.left_padding)),
-        "size": read(world, op, t.size),
+        "offset": read(world, op, lambda: as_ints(_read(reads.offset))),
+        "left_padding": read(world, op, lambda: as_ints(_read(reads.left_padding))),
+        "size": read(world, op, lambda: _read(reads.size)),
     }
     size = got["size"]
     if size is not None and not isinstance(size, (int, np.integer)):
@@ -92,7 +96,7 @@ def _check_geometry(world, op):
             )
 
 
-def _check_dense_matches_model(world, op):
+def _check_dense_matches_model(world, op, reads):
     if world.dense.cache.keys is None:
         return
     model = world.numpy_model
@@ -103,10 +107,9 @@ def _check_dense_matches_model(world, op):
             world.report("harness", op, f"BatchKVCache row {b} tokens disagree with the model")
 
 
-def _check_masks(world, op):
-    target = _target_masks(world)
+def _check_masks(world, op, reads):
     dense = world.dense.masks(MASK_CHECKS)
-    for (n, window), dense_mask, (raw, default) in zip(MASK_CHECKS, dense, target):
+    for (n, window), dense_mask, (raw, default) in zip(MASK_CHECKS, dense, reads.masks):
         want = world.numpy_model.mask(n, window)
         if dense_mask.shape != want.shape or not np.array_equal(dense_mask, want):
             world.report(
@@ -129,33 +132,106 @@ def _read(value):
     return value
 
 
-def _target_masks(world) -> list[tuple]:
-    """Per ``MASK_CHECKS`` entry, the target's ``make_mask`` with ``return_array=True`` and
-    without, called in the order the checks read them, and every array evaluated in one
-    ``mx.eval`` (one wait for the eight, not one each).
+class _Stop(Exception):
+    """Reading stops: a read raised what the checks do not catch (``guarded``)."""
 
-    Each array is copied as it is returned: a later call writing into the array it
-    returned (``a[i] = v`` writes to every holder) must not change what an earlier call
-    returned. A call that raised holds its exception (``_Raised``); after one the checks
-    do not catch (``guarded``) nothing more is called, as the check raises it out. Where
-    evaluating them together raises, each is left to its check to evaluate and report.
+
+@dataclass
+class TargetReads:
+    """What the checks read of the target after an op, read before any is checked.
+
+    The target is called as the checks call it, in their order: ``offset``,
+    ``left_padding``, ``size()``, then per ``MASK_CHECKS`` entry ``make_mask``
+    with ``return_array=True`` and without, then, where rows hold tokens to
+    compare, ``empty()`` and ``dequantize()``. Every array read is evaluated
+    in one ``mx.eval`` with what the oracles read next (``to_evaluate``): on
+    MLX's CPU each evaluation is a wait for the stream's thread, and these
+    were six an op.
+
+    Each array is copied as it is returned: a later call writing into an array
+    it returned (``a[i] = v`` writes to every holder) must not change what an
+    earlier call returned. Other values read as they are (``offset`` and
+    ``left_padding`` as ints, as the checks compare them). A read that raised
+    holds its exception (``_Raised``); after one the checks do not catch
+    (an ``AssertionError``, ``ToleratedDivergence``), nothing more is read,
+    as the check that uses it raises it out. Where evaluating them together
+    raises, each is left to its check to evaluate and report.
     """
-    reads = []
-    for n, window in MASK_CHECKS:
-        for kwargs in ({"return_array": True}, {}):
-            try:
-                mask = world.target.make_mask(n, window_size=window, **kwargs)
-            except Exception as exc:
-                reads.append(_Raised(exc))
-                if isinstance(exc, (AssertionError, ToleratedDivergence)):
-                    return _pairs(reads)  # its check raises it out: nothing after it is read
-            else:
-                reads.append(mx.array(mask) if isinstance(mask, mx.array) else mask)
+
+    offset: Any = None
+    left_padding: Any = None
+    size: Any = None
+    # Per MASK_CHECKS entry read: (with return_array, without); the last one's
+    # second None where reading stopped before it.
+    masks: list[tuple] = field(default_factory=list)
+    empty: Any = None  # None: not read (no rows to compare, or reading stopped)
+    dequantized: Any = None
+
+    @classmethod
+    def of(cls, world) -> TargetReads:
+        reads = cls()
+        try:
+            reads._read_all(world)
+        except _Stop:
+            pass
+        arrays = [x for x in reads._arrays() if isinstance(x, mx.array)]
+        try:
+            mx.eval(arrays, world.dense.to_evaluate(), world.refs.to_evaluate())
+        except Exception:  # noqa: BLE001 - each check evaluates its own and reports what raises
+            pass
+        return reads
+
+    def _read_all(self, world) -> None:
+        t = world.target
+        self.offset = _call(lambda: _geometry(t.offset))
+        self.left_padding = _call(lambda: _geometry(t.left_padding))
+        self.size = _call(t.size)
+        masks = []
+        for n, window in MASK_CHECKS:
+            for kwargs in ({"return_array": True}, {}):
+                masks.append(_call(lambda: _copy(t.make_mask(n, window_size=window, **kwargs))))  # noqa: B023
+                if _stops(masks[-1]):
+                    self.masks = _pairs(masks)
+                    raise _Stop
+        self.masks = _pairs(masks)
+        if _compares_rows(world):
+            self.empty = _call(lambda: bool(t.empty()))  # as ``if t.empty():`` reads it
+            if _stops(self.empty):
+                raise _Stop
+            if self.empty is False:
+                self.dequantized = _call(t.dequantize)
+
+    def _arrays(self) -> list:
+        arrays = [self.offset, self.left_padding]
+        arrays += [mask for pair in self.masks for mask in pair]
+        if isinstance(self.dequantized, tuple):
+            arrays += list(self.dequantized)
+        return arrays
+
+
+def _call(reader: Callable[[], Any]) -> Any:
+    """``reader()``, or its exception held (``_Raised``)."""
     try:
-        mx.eval([m for m in reads if isinstance(m, mx.array)])
-    except Exception:  # noqa: BLE001 - each check evaluates its own and reports what raises
-        pass
-    return _pairs(reads)
+        return reader()
+    except Exception as exc:
+        return _Raised(exc)
+
+
+def _stops(value) -> bool:
+    """Whether ``value`` holds an exception its check raises out (``guarded``)."""
+    return isinstance(value, _Raised) and isinstance(
+        value.exc, (AssertionError, ToleratedDivergence)
+    )
+
+
+def _geometry(value):
+    """``offset`` or ``left_padding`` as read: an MLX array copied (evaluated with the
+    rest), anything else as ints now."""
+    return mx.array(value) if isinstance(value, mx.array) else as_ints(value)
+
+
+def _copy(x):
+    return mx.array(x) if isinstance(x, mx.array) else x
 
 
 def _pairs(reads: list) -> list[tuple]:
@@ -221,10 +297,10 @@ def _check_default_mask(world, op, n, window, want, default):
     )
 
 
-def _dequantized_rows(world, op):
+def _dequantized_rows(world, op, reads):
     """The target's ``dequantize()`` as (B, H, end, D) numpy keys and values, or None
     where its form does not let rows be told apart (reported)."""
-    keys, values = world.target.dequantize()
+    keys, values = _read(reads.dequantized)
     end, B = world.numpy_model.end, world.numpy_model.batch_size
     arrays = {}
     for name, x in (("keys", keys), ("values", values)):
@@ -257,15 +333,23 @@ def _dequantized_rows(world, op):
     return (keys, values) if evaluable else None
 
 
-def _check_rows(world, op):
-    if not world.capabilities["dequantize"] or world.numpy_model.end == 0:
+def _compares_rows(world) -> bool:
+    """Whether rows hold tokens whose content ``_check_rows`` compares."""
+    model = world.numpy_model
+    return bool(
+        world.capabilities["dequantize"]
+        and model.end != 0
+        and any(model.row_length(b) for b in range(model.batch_size))
+    )
+
+
+def _check_rows(world, op, reads):
+    if not _compares_rows(world):
         return
     rows = [b for b in range(world.numpy_model.batch_size) if world.numpy_model.row_length(b)]
-    if not rows:
-        return
-    if world.target.empty():
+    if _read(reads.empty):
         return world.report("content", op, f"the target is empty but rows {rows} hold tokens")
-    both = _dequantized_rows(world, op)
+    both = _dequantized_rows(world, op, reads)
     if both is None:
         return  # rows cannot be told apart in these: content is not evaluated
     end = world.numpy_model.end

@@ -57,6 +57,15 @@ def to_numpy_all(*arrays) -> list[np.ndarray]:
     return [np.array(x) for x in widened]
 
 
+def _buffer_view(x: mx.array) -> np.ndarray:
+    """A numpy view of ``x``'s memory (evaluated; half floats widened as ``to_numpy``
+    does): valid until MLX next writes into it (a slice update may reuse the buffer),
+    so copy what is kept."""
+    if x.dtype in (mx.float16, mx.bfloat16):
+        x = x.astype(mx.float32)
+    return np.asarray(memoryview(x))
+
+
 def _read_only(x: np.ndarray) -> np.ndarray:
     x.flags.writeable = False
     return x
@@ -131,20 +140,25 @@ class DenseReference:
             _MASKS[key] = [_read_only(mask.astype(bool)) for mask in to_numpy_all(*made)]
         return _MASKS[key]
 
+    def to_evaluate(self) -> list[mx.array]:
+        """The arrays the read-outs read: evaluated with the target's reads after an op, they
+        are read without a wait of their own."""
+        c = self.cache
+        arrays = [c.offset, c.left_padding]
+        return arrays if c.keys is None else [*arrays, c.keys, c.values]
+
     def rows_tokens(self, rows: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per row of ``rows``: its full-precision (H, T, D) keys and values from its left
-        padding to the written end, all read in one evaluation."""
+        padding to the written end, copied out of one read of the buffers (cutting rows in
+        MLX would be an evaluation more)."""
         if self.cache.keys is None:
             raise ValueError("the dense oracle is empty")
         padding, end = self.left_padding, self.size()
-        slices = []
-        for b in rows:
-            slices += [
-                self.cache.keys[b, :, padding[b] : end],
-                self.cache.values[b, :, padding[b] : end],
-            ]
-        read = to_numpy_all(*slices)
-        return list(zip(read[::2], read[1::2]))
+        keys, values = (_buffer_view(x) for x in (self.cache.keys, self.cache.values))
+        return [
+            (keys[b, :, padding[b] : end].copy(), values[b, :, padding[b] : end].copy())
+            for b in rows
+        ]
 
     # ----------------------------------------------------------- operations
 
@@ -217,13 +231,17 @@ class TurboReferences:
     go through them in one round trip (``tqbatch.testing.oracles.codec_round_trip``):
     a cache per request fed one op at a time was a third of the harness's
     time per example. ``tests/unit/test_reference_cache.py`` shows the result
-    equal to what a ``TurboQuantKVCache`` per request holds.
+    equal to what a ``TurboQuantKVCache`` per request holds. A round trip is
+    read out when the tokens are first read, so that it is evaluated with
+    the target's reads after the op (``to_evaluate``) instead of on its own.
     """
 
     def __init__(self, bits: float, seed: int, key_bits=None, value_bits=None):
         self.config = dict(bits=bits, seed=seed, key_bits=key_bits, value_bits=value_bits)
         self._codecs: tuple | None = None  # (key codec, value codec), built on the first tokens
         self._tokens: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # Round trips not yet read out: (items appended, keys, values (H, T, D)).
+        self._unread: list[tuple[list, mx.array, mx.array]] = []
         # The full-precision tokens behind each request's reference, for
         # admit_rounding; and the admissible-code models of the two codecs.
         self._entered: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -232,11 +250,33 @@ class TurboReferences:
         self.admitted = 0
 
     def new(self, request_id: int):
+        self._read_out()
         self._tokens[request_id] = None
 
     def absorb(self, other: TurboReferences):
+        self._read_out()
+        other._read_out()
         self._tokens.update(other._tokens)
         self._entered.update(other._entered)
+
+    def to_evaluate(self) -> list[mx.array]:
+        """The round trips not yet read out (evaluated with the target's reads)."""
+        return [x for _, keys, values in self._unread for x in (keys, values)]
+
+    def _read_out(self) -> None:
+        """Append the round trips not yet read out to their requests, in one evaluation."""
+        if not self._unread:
+            return
+        unread, self._unread = self._unread, []
+        read = to_numpy_all(*(x for _, keys, values in unread for x in (keys, values)))
+        for (items, _, _), new_k, new_v in zip(unread, read[::2], read[1::2]):
+            start = 0
+            for rid, k, _ in items:
+                stop = start + k.shape[1]
+                self._tokens[rid] = _appended(
+                    self._tokens.get(rid), new_k[:, start:stop], new_v[:, start:stop]
+                )
+                start = stop
 
     def append(self, request_id: int, keys: np.ndarray, values: np.ndarray):
         """Append (H, T, D) float32 tokens to one request."""
@@ -249,26 +289,22 @@ class TurboReferences:
             return
         keys = np.concatenate([k for _, k, _ in items], axis=1)[None]
         values = np.concatenate([v for _, _, v in items], axis=1)[None]
-        new_k, new_v = self._round_trip(mx.array(keys), mx.array(values))
-        start = 0
+        self._unread.append((items, *self._round_trip(mx.array(keys), mx.array(values))))
         for rid, k, v in items:
-            stop = start + k.shape[1]
-            new = new_k[:, start:stop], new_v[:, start:stop]
-            self._tokens[rid] = _appended(self._tokens.get(rid), *new)
             self._entered[rid] = _appended(self._entered.get(rid), k, v)
-            start = stop
 
-    def _round_trip(self, keys: mx.array, values: mx.array):
-        """(H, T, D) float32 dequantized codes of (1, H, T, D) keys and values."""
+    def _round_trip(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """(H, T, D) float32 dequantized codes of (1, H, T, D) keys and values, unevaluated."""
         if self._codecs is None:
             self._codecs = reference_codecs(self.config, keys, values)
         key_codec, value_codec = self._codecs
         # As TurboQuantKVCache.update_and_fetch quantizes and .dequantize reads back.
         k = round_trip(key_codec, keys).astype(mx.float32)
         v = round_trip(value_codec, values).astype(mx.float32)
-        return to_numpy_all(k[0], v[0])
+        return k[0], v[0]
 
     def trim(self, request_id: int, n: int):
+        self._read_out()
         for store in (self._tokens, self._entered):
             held = store.get(request_id)
             if n > 0 and held is not None:
@@ -291,6 +327,7 @@ class TurboReferences:
         legitimate choice. Returns the request's reference tokens on that side
         (H, T, D) after taking them, or None where none was taken.
         """
+        self._read_out()
         held, entered = self._tokens.get(request_id), self._entered.get(request_id)
         if held is None or entered is None or self._codecs is None:
             return None
@@ -330,11 +367,13 @@ class TurboReferences:
         return taken
 
     def length(self, request_id: int) -> int:
+        self._read_out()
         held = self._tokens.get(request_id)
         return 0 if held is None else held[0].shape[1]
 
     def dequantized(self, request_id: int) -> tuple[np.ndarray, np.ndarray]:
         """(H, T, D) float32 keys and values the reference holds (read-only), or (None, None)."""
+        self._read_out()
         held = self._tokens.get(request_id)
         if held is None or held[0].shape[1] == 0:
             return None, None
