@@ -18,6 +18,9 @@ from tqbatch.testing.oracles.numpy_model import attention, causal_mask
 from tqbatch.testing.oracles.reference import to_numpy
 from tqbatch.testing.oracles.tolerances import CROSS_PLATFORM_NOTE, attention_tolerance
 
+# Query heads per KV head. Built once: Hypothesis analyses every new strategy object.
+_GQA_GROUPS = st.sampled_from([1, 2])
+
 
 @functools.cache  # one object per arguments: Hypothesis analyses every new strategy
 @st.composite
@@ -27,7 +30,7 @@ def attend_op(draw, kv_heads: int, max_queries: int = tqs.MAX_BLOCK):
     op = {
         "op": "attend",
         "queries": n,
-        "q_heads": kv_heads * draw(st.sampled_from([1, 2])),
+        "q_heads": kv_heads * draw(_GQA_GROUPS),
         "q_seed": draw(tqs.seeds),
         "kv_seed": draw(tqs.seeds),
     }

@@ -48,27 +48,42 @@ def written_batch_ops(draw, max_rows: int = MAX_ROWS):
 
 def first_batch_ops(capabilities: dict, max_rows: int = MAX_ROWS):
     """Ops that create a batch, using only what the target supports."""
+    return _first_batch_ops(*_builds(capabilities), max_rows)
+
+
+def other_batch_ops(capabilities: dict, max_rows: int = 2):
+    """The nested ops of an ``extend``: a second batch, possibly empty."""
+    return _other_batch_ops(*_builds(capabilities), max_rows)
+
+
+def _builds(capabilities: dict) -> tuple[bool, bool, bool]:
+    """What of the target's capabilities decides how a batch may be built."""
+    return tuple(bool(capabilities.get(name)) for name in ("merge", "prepare", "finalize"))
+
+
+@functools.cache  # one object per arguments: Hypothesis analyses every new strategy
+def _first_batch_ops(merge: bool, prepare: bool, finalize: bool, max_rows: int):
     options = [
         st.lists(st.integers(0, 3), min_size=1, max_size=max_rows).map(
             lambda lp: [{"op": "new", "left_padding": lp}]
         )
     ]
-    if capabilities.get("merge"):
+    if merge:
         options += [merge_op(max_rows).map(lambda op: [op]), b1_decoded_ops()]
     else:
         # Without merge, an extend would otherwise join only empty batches:
         # two written batches of different lengths come from here.
         options.append(written_batch_ops(max_rows))
-    if capabilities.get("prepare"):
+    if prepare:
         options.append(left_padded_prefill_ops(max_rows))
-        if capabilities.get("finalize"):
+        if finalize:
             options.append(right_padded_prefill_ops(None, max_rows))
     return st.one_of(options)
 
 
-def other_batch_ops(capabilities: dict, max_rows: int = 2):
-    """The nested ops of an ``extend``: a second batch, possibly empty."""
+@functools.cache  # one object per arguments: Hypothesis analyses every new strategy
+def _other_batch_ops(merge: bool, prepare: bool, finalize: bool, max_rows: int):
     empty = st.lists(st.integers(0, 3), min_size=1, max_size=max_rows).map(
         lambda lp: [{"op": "new", "left_padding": lp}]
     )
-    return st.one_of(empty, first_batch_ops(capabilities, max_rows))
+    return st.one_of(empty, _first_batch_ops(merge, prepare, finalize, max_rows))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import functools
 
 import mlx.core as mx
 import numpy as np
@@ -162,10 +163,14 @@ def bad_input_op(
     # The op kind first, then the variant: every kind of bad input is equally
     # likely, however many variants it has (a flat draw under-samples kinds
     # listed late, such as extend with a mixed configuration).
-    kinds = sorted({inner["op"] for _, inner in choices})
-    kind = draw(st.sampled_from(kinds))
+    kind = draw(_one_of_kinds(tuple(sorted({inner["op"] for _, inner in choices}))))
     case, inner = draw(st.sampled_from([c for c in choices if c[1]["op"] == kind]))
     return vocabulary.expect_error_op(case, inner)
+
+
+@functools.cache  # one object per arguments: Hypothesis analyses every new strategy
+def _one_of_kinds(kinds: tuple[str, ...]):
+    return st.sampled_from(kinds)
 
 
 def _bad_input(machine, data):

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+
 from hypothesis import strategies as st
 
 from tqbatch.testing.contract.ops.declaration import BadInput, Op, Rule, out_of_domain
 
 
-@st.composite
-def filter_indices(draw, left_padding: list[int]):
+def filter_indices(left_padding: list[int]):
     """A non-empty subset of rows in any order; often keeps or drops the unpadded row."""
+    return _filter_indices(tuple(left_padding))
+
+
+@functools.cache  # one object per arguments: Hypothesis analyses every new strategy
+@st.composite
+def _filter_indices(draw, left_padding: tuple[int, ...]):
     B = len(left_padding)
     keep = draw(st.lists(st.integers(0, B - 1), min_size=1, max_size=B, unique=True))
     zero_rows = [b for b, p in enumerate(left_padding) if p == 0]

@@ -34,6 +34,11 @@ def _oracles(world, op, _):
     world.dense.prepare(op.get("left_padding"), op.get("right_padding"))
 
 
+# What happens between a right-padded prefill and finalize (``_right_padded_append``).
+# Built once: Hypothesis analyses every new strategy object.
+_WHILE_PENDING = st.sampled_from(["none", "filter", "extract", "roundtrip", "extend"])
+
+
 def _right_padded_append(machine, data):
     """prepare(right_padding) + block + finalize on the current batch."""
     ops = data.draw(tqs.right_padded_prefill_ops(rows=machine.numpy_model.batch_size), label="ops")
@@ -41,8 +46,7 @@ def _right_padded_append(machine, data):
     # Between the prefill and finalize, while right padding is pending: a
     # request finishes, one is read out, the cache is saved and restored, or
     # another batch joins. (A trim there is not a state servers make.)
-    between = ["none", "filter", "extract", "roundtrip", "extend"]
-    what = data.draw(st.sampled_from(between), label="while pending")
+    what = data.draw(_WHILE_PENDING, label="while pending")
     if what == "filter" and machine.has("filter") and B > 1:
         keep = data.draw(filter_indices(machine.numpy_model.left_padding), label="keep")
         ops.insert(-1, {"op": "filter", "indices": keep})
