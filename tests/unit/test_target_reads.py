@@ -28,11 +28,17 @@ class Recorded(tqbatch.BatchTurboQuantKVCache):
 
     def __getattribute__(self, name):
         log = object.__getattribute__(self, "log")
-        if log is not None and name in READS:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith("tqbatch.testing."):
-                log.append(name)
+        if log is not None and name in READS and _by_the_harness(sys._getframe(1)):
+            object.__getattribute__(self, "_read")(name)
+            log.append(name)
         return object.__getattribute__(self, name)
+
+    def _read(self, name):
+        """Called as the harness reads ``name`` (a read that raises raises here)."""
+
+
+def _by_the_harness(frame) -> bool:
+    return frame.f_globals.get("__name__", "").startswith("tqbatch.testing.")
 
 
 def _world(impl) -> World:
@@ -142,3 +148,19 @@ def test_a_target_that_cannot_say_whether_it_is_empty_is_not_dequantized():
     failure = _failure(world)
     assert _identities(failure) == ["read@update"] and "cannot tell" in failure.what
     assert world.target.log == ORDER[:-1]
+
+
+class SizeUnreadable(Recorded):
+    """Reading the ``size`` attribute itself raises, where the harness reads it."""
+
+    def _read(self, name):
+        if name == "size":
+            raise RuntimeError("no size attribute")
+
+
+def test_an_attribute_that_cannot_be_read_is_its_checks_failure():
+    world = _world(SizeUnreadable)
+    world.target.log = []
+    failure = _failure(world)
+    assert _identities(failure) == ["read@update"] and "no size attribute" in failure.what
+    assert world.target.log == [name for name in ORDER if name != "size"]

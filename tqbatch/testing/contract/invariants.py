@@ -185,7 +185,7 @@ class TargetReads:
         t = world.target
         self.offset = _call(lambda: _geometry(t.offset))
         self.left_padding = _call(lambda: _geometry(t.left_padding))
-        self.size = _call(t.size)
+        self.size = _call(lambda: t.size())
         masks = []
         for n, window in MASK_CHECKS:
             for kwargs in ({"return_array": True}, {}):
@@ -199,7 +199,7 @@ class TargetReads:
             if _stops(self.empty):
                 raise _Stop
             if self.empty is False:
-                self.dequantized = _call(t.dequantize)
+                self.dequantized = _call(lambda: t.dequantize())
 
     def _arrays(self) -> list:
         arrays = [self.offset, self.left_padding]
