@@ -23,7 +23,7 @@ from tqbatch.testing.oracles.judges import judge_tokens
 from tqbatch.testing.oracles.numpy_model import causal_mask
 from tqbatch.testing.oracles.reference import as_ints, to_numpy, to_numpy_all
 
-__all__ = ["MASK_CHECKS", "check_all", "guarded", "read"]
+__all__ = ["MASK_CHECKS", "check_all", "copied", "guarded", "read"]
 
 # (N, window_size) pairs at which make_mask is compared after every op.
 MASK_CHECKS = ((1, None), (3, None), (1, 2), (4, 3))
@@ -189,7 +189,7 @@ class TargetReads:
         masks = []
         for n, window in MASK_CHECKS:
             for kwargs in ({"return_array": True}, {}):
-                masks.append(_call(lambda: _copy(t.make_mask(n, window_size=window, **kwargs))))  # noqa: B023
+                masks.append(_call(lambda: copied(t.make_mask(n, window_size=window, **kwargs))))  # noqa: B023
                 if _stops(masks[-1]):
                     self.masks = _pairs(masks)
                     raise _Stop
@@ -227,10 +227,12 @@ def _stops(value) -> bool:
 def _geometry(value):
     """``offset`` or ``left_padding`` as read: an MLX array copied (evaluated with the
     rest), anything else as ints now."""
-    return mx.array(value) if isinstance(value, mx.array) else as_ints(value)
+    return copied(value) if isinstance(value, mx.array) else as_ints(value)
 
 
-def _copy(x):
+def copied(x):
+    """``x``, an array copied as it is read: evaluated later, it must not show a write the
+    target makes into an array it returned (``a[i] = v`` reaches every holder)."""
     return mx.array(x) if isinstance(x, mx.array) else x
 
 

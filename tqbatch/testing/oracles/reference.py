@@ -52,18 +52,21 @@ def to_numpy(x) -> np.ndarray:
 
 def to_numpy_all(*arrays) -> list[np.ndarray]:
     """``to_numpy`` of each MLX array, computed in one ``mx.eval`` (one wait, not one each)."""
-    widened = [x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x for x in arrays]
+    widened = [_widened(x) for x in arrays]
     mx.eval(widened)
     return [np.array(x) for x in widened]
+
+
+def _widened(x: mx.array) -> mx.array:
+    """``x`` with half floats as float32 (numpy has no bfloat16)."""
+    return x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x
 
 
 def _buffer_view(x: mx.array) -> np.ndarray:
     """A numpy view of ``x``'s memory (evaluated; half floats widened as ``to_numpy``
     does): valid until MLX next writes into it (a slice update may reuse the buffer),
     so copy what is kept."""
-    if x.dtype in (mx.float16, mx.bfloat16):
-        x = x.astype(mx.float32)
-    return np.asarray(memoryview(x))
+    return np.asarray(memoryview(_widened(x)))
 
 
 def _read_only(x: np.ndarray) -> np.ndarray:

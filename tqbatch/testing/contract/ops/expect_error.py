@@ -16,7 +16,7 @@ from tqbatch.testing.contract.checks import (
     CheckFailure,
     ToleratedDivergence,
 )
-from tqbatch.testing.contract.invariants import MASK_CHECKS
+from tqbatch.testing.contract.invariants import MASK_CHECKS, copied
 from tqbatch.testing.contract.ops.declaration import Op, Rule
 from tqbatch.testing.oracles.reference import as_ints, to_numpy, to_numpy_all
 
@@ -96,7 +96,7 @@ def _snapshot(world) -> dict:
         "left_padding": as_ints(t.left_padding),
         "size": as_ints(t.size()),
         "masks": [_array(t.make_mask(n, return_array=True, window_size=w)) for n, w in MASK_CHECKS],
-        "default masks": [_copy(t.make_mask(n, window_size=w)) for n, w in MASK_CHECKS],
+        "default masks": [copied(t.make_mask(n, window_size=w)) for n, w in MASK_CHECKS],
         "pending right padding": None if pending is None else as_ints(pending),
         "configuration": tuple(
             getattr(t, name, None) for name in ("bits", "key_bits", "value_bits", "seed")
@@ -124,13 +124,7 @@ def _array(x) -> mx.array:
     it would)."""
     if not isinstance(x, mx.array):
         to_numpy(x)  # raises what reading a non-array raises
-    return _copy(x)
-
-
-def _copy(x):
-    """``x``, an array copied as it is read: evaluated later, it must not show a write the
-    target makes into an array it returned (``a[i] = v`` reaches every holder)."""
-    return mx.array(x) if isinstance(x, mx.array) else x
+    return copied(x)
 
 
 def _same(a, b) -> bool:
