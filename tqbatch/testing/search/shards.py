@@ -36,6 +36,8 @@ from tqbatch.testing.search.scheduling import batch_scheduling
 __all__ = ["campaign_from_options", "run_shards"]
 
 _ENV = "TQBATCH_FUZZ_SHARD"  # JSON settings of a pytest-xdist shard
+# A survey process's entry point: it schedules itself before importing this module.
+_SURVEY_PROCESS = "tqbatch.testing.search.survey_process"
 
 
 def campaign_from_options(
@@ -203,14 +205,14 @@ def run_in_processes(
     depend on which process ran ahead. ``on_update`` gets the sum so far
     about once a second. The processes start with this one's environment and
     import path (the device asked for is in ``$TQBATCH_DEVICE``), with
-    nothing of pytest's: a plain ``python -m tqbatch.testing.search.shards``.
+    nothing of pytest's: a plain ``python -m tqbatch.testing.search.survey_process``.
     """
     if processes < 1:
         raise ValueError(f"processes must be positive, not {processes}")
     base, extra = divmod(examples, processes)
     shares = [base + (p < extra) for p in range(processes)]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = dict(impl=impl_spec, seed=seed, campaign=campaign, dir=tmp)
+        cfg = dict(impl=impl_spec, seed=seed, campaign=campaign, dir=tmp, processes=processes)
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         # Output to files, not pipes: a full pipe would stall a process nobody reads yet.
@@ -219,7 +221,15 @@ def run_in_processes(
         for p in logs:
             with logs[p].open("wb") as log:
                 children[p] = subprocess.Popen(
-                    [sys.executable, "-m", __name__, tmp, str(p), str(shares[p]), str(os.getpid())],
+                    [
+                        sys.executable,
+                        "-m",
+                        _SURVEY_PROCESS,
+                        tmp,
+                        str(p),
+                        str(shares[p]),
+                        str(os.getpid()),
+                    ],
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -317,17 +327,17 @@ def exit_with_parent(parent: int, poll_seconds: float = 1.0) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def _process_main(directory: str, process: int, examples: int, parent: int) -> None:
+def process_main(directory: str, process: int, examples: int, parent: int) -> None:
     """One process of ``run_in_processes``: its campaign, kept as ``shard-N.json``, and its
-    result after each generating round as ``round-N-R.json``."""
+    result after each generating round as ``round-N-R.json``. Started as
+    ``tqbatch.testing.search.survey_process``, which schedules it first."""
     from tqbatch.testing import backend
     from tqbatch.testing.target import load_impl
 
-    batch_scheduling()  # shares the runner's cores with the other survey processes
+    cfg = json.loads((Path(directory) / "config.json").read_text())
     exit_with_parent(parent)
 
     backend.select_device()  # the parent's, through $TQBATCH_DEVICE
-    cfg = json.loads((Path(directory) / "config.json").read_text())
     save = _saver(Path(directory), process)
     rounds = 0
 
@@ -348,7 +358,3 @@ def _process_main(directory: str, process: int, examples: int, parent: int) -> N
             **cfg["campaign"],
         )
     )
-
-
-if __name__ == "__main__":
-    _process_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
