@@ -163,58 +163,109 @@ def test_codebook_solve(benchmark, record_property):
     )
 
 
-# Two survey processes side by side, as the plugin runs them, with and without
-# batch scheduling (tqbatch.testing.search.scheduling).
+# A survey process as the plugin runs it (batch scheduling, one CPU of its own)
+# or with either left out (tqbatch.testing.search.scheduling). The settings are
+# taken before numpy and MLX load, as tqbatch.testing.search.survey_process takes
+# them. Prints its first campaign's ms an op, then the timed campaign's ms an op and
+# seconds.
 _SURVEY_PROCESS = """
 import sys, time
-from tqbatch.testing.search.campaign import run_campaign
-from tqbatch.testing.search.scheduling import batch_scheduling
-from tqbatch.testing.target import load_impl
-if sys.argv[1] == "batch":
+from tqbatch.testing.search.scheduling import batch_scheduling, one_cpu
+settings, process, processes = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+if "batch" in settings:
     assert batch_scheduling()
+if "one-cpu" in settings:
+    assert one_cpu(process, of=processes) is not None
+from tqbatch.testing.search.campaign import run_campaign
+from tqbatch.testing.target import load_impl
 impl = load_impl("tqbatch:BatchTurboQuantKVCache")
-run_campaign(impl, examples=3, profile="ci", seed=int(sys.argv[2]), survey=True)  # warm
+first = run_campaign(impl, examples=3, profile="ci", seed=process, survey=True)
+print(1e3 * first.seconds / sum(first.op_counts.values()))
 start = time.perf_counter()
-run_campaign(impl, examples=int(sys.argv[3]), profile="ci", seed=int(sys.argv[2]), survey=True)
-print(time.perf_counter() - start)
+timed = run_campaign(impl, examples=int(sys.argv[4]), profile="ci", seed=process, survey=True)
+print(1e3 * timed.seconds / sum(timed.op_counts.values()), time.perf_counter() - start)
 """
 
 
-def _side_by_side(scheduling: str, examples: int) -> float:
-    """Seconds the slower of two survey processes (seeds 0 and 1) takes, run side by side."""
+def _survey_processes(settings: str, processes: int, examples: int) -> list[tuple]:
+    """(first campaign's ms an op, timed campaign's ms an op, its seconds) of each of
+    ``processes`` survey processes (seeds 0, 1, ...) run side by side under ``settings``."""
     children = [
         subprocess.Popen(
-            [sys.executable, "-c", _SURVEY_PROCESS, scheduling, str(seed), str(examples)],
+            [
+                sys.executable,
+                "-c",
+                _SURVEY_PROCESS,
+                settings,
+                str(p),
+                str(processes),
+                str(examples),
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
-        for seed in (0, 1)
+        for p in range(processes)
     ]
     outputs = [child.communicate()[0] for child in children]
     assert all(child.returncode == 0 for child in children), outputs
-    return max(float(output.split()[-1]) for output in outputs)
+    return [tuple(map(float, output.split()[-3:])) for output in outputs]
+
+
+def _side_by_side(settings: str, examples: int) -> float:
+    """Seconds the slower of two survey processes takes, run side by side."""
+    return max(seconds for _, _, seconds in _survey_processes(settings, 2, examples))
+
+
+_SIDE_BY_SIDE = {
+    "as the plugin runs them": "batch,one-cpu",
+    "SCHED_BATCH only": "batch",
+    "neither": "default",
+}
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="one CPU each needs two CPUs and Linux's affinity call",
+)
 def test_two_survey_processes_side_by_side(benchmark, record_property):
-    """Seconds of two survey processes side by side under ``SCHED_BATCH`` (as the plugin runs
-    them) and under the default policy, alternated; medians of two. The ratio is the
-    report (docs/search-speed.md, "Two survey processes on two cores"); nothing is asserted
-    on time."""
+    """Seconds of two survey processes side by side as the plugin runs them (``SCHED_BATCH``,
+    one CPU each), under ``SCHED_BATCH`` alone and under neither, alternated; medians of
+    two. The ratios are the report (docs/search-speed.md, "Two survey processes on two
+    cores" and "One CPU for each survey process"); nothing is asserted on time."""
     benchmark.group = "search: two survey processes side by side (tqbatch, ci profile)"
     examples = 60 if FULL else 20
-    batch, default = [_side_by_side("batch", examples)], [_side_by_side("default", examples)]
-    batch.append(benchmark.pedantic(_side_by_side, args=("batch", examples), rounds=1))
-    default.append(_side_by_side("default", examples))
-    ratio = statistics.median(batch) / statistics.median(default)
-    benchmark.extra_info.update(
-        examples=examples,
-        batch_seconds=statistics.median(batch),
-        default_seconds=statistics.median(default),
-        ratio=ratio,
-    )
+    seconds = {name: [] for name in _SIDE_BY_SIDE}
+    for _ in range(2):
+        for name, settings in _SIDE_BY_SIDE.items():
+            seconds[name].append(_side_by_side(settings, examples))
+    benchmark.pedantic(lambda: None, rounds=1)  # the runs above are the measurement
+    medians = {name: statistics.median(runs) for name, runs in seconds.items()}
+    plugin = medians["as the plugin runs them"]
+    benchmark.extra_info.update(examples=examples, **{f"{n} (s)": m for n, m in medians.items()})
     record_property(
         "side by side",
-        f"{statistics.median(batch):.1f} s under SCHED_BATCH, "
-        f"{statistics.median(default):.1f} s under the default policy (x{ratio:.2f})",
+        ", ".join(f"{n}: {m:.1f} s (x{m / plugin:.2f})" for n, m in medians.items()),
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_cost_per_op_in_a_survey_process(benchmark, record_property):
+    """ms an op of one survey process alone on one CPU, as the plugin runs it, and left to
+    run on every CPU, alternated, medians of three: its first campaign (3 examples,
+    codebooks included) and the next (10 examples). Nothing is asserted on time."""
+    benchmark.group = "search: cost per op in a survey process (tqbatch, ci profile)"
+    runs = {"one CPU": [], "every CPU": []}
+    for _ in range(3):
+        for name, settings in (("one CPU", "one-cpu"), ("every CPU", "default")):
+            runs[name] += _survey_processes(settings, 1, 10)
+    benchmark.pedantic(lambda: None, rounds=1)  # the runs above are the measurement
+    first = {name: statistics.median(f for f, _, _ in r) for name, r in runs.items()}
+    warm = {name: statistics.median(w for _, w, _ in r) for name, r in runs.items()}
+    benchmark.extra_info.update(first_ms_per_op=first, ms_per_op=warm)
+    record_property(
+        "cost",
+        ", ".join(
+            f"{name}: {warm[name]:.2f} ms/op (first campaign {first[name]:.2f})" for name in runs
+        ),
     )
