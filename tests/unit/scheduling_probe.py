@@ -12,28 +12,32 @@ ENV = "TQBATCH_TEST_SCHEDULING"  # the file each construction appends a line to
 
 def thread_policies() -> list[int]:
     """The scheduling policy of every thread of this process (Linux), without repeats."""
-    return sorted({os.sched_getscheduler(tid) for tid in _threads()})
+    return sorted(set(_per_thread(os.sched_getscheduler)))
 
 
 def thread_cpus() -> list[list[int]]:
     """The CPUs each thread of this process may run on (Linux), without repeats."""
-    return sorted({tuple(sorted(os.sched_getaffinity(tid))) for tid in _threads()})
+    return [list(cpus) for cpus in sorted(set(_per_thread(_cpus)))]
 
 
-def _threads() -> list[int]:
-    threads = []
+def _cpus(tid: int) -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(tid)))
+
+
+def _per_thread(read) -> list:
+    """``read(tid)`` of every thread of this process that is still there."""
+    seen = []
     for tid in os.listdir("/proc/self/task"):
         try:
-            os.sched_getaffinity(int(tid))
+            seen.append(read(int(tid)))
         except OSError:  # the thread ended in between
             continue
-        threads.append(int(tid))
-    return threads
+    return seen
 
 
 class SchedulingProbe(tqbatch.BatchTurboQuantKVCache):
-    """tqbatch's cache, appending its process's thread policies and CPUs, and its thread
-    count, to ``$TQBATCH_TEST_SCHEDULING``."""
+    """tqbatch's cache, appending its process's id and its threads' policies and CPUs to
+    ``$TQBATCH_TEST_SCHEDULING``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
