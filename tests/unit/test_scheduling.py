@@ -27,31 +27,14 @@ affinity_only = pytest.mark.skipif(
 
 @linux_only
 def test_every_thread_is_put_under_batch_scheduling_and_later_ones_inherit_it():
-    # In a process of its own: the test process keeps its scheduling.
-    script = textwrap.dedent(
-        """
-        import os, threading
-        import mlx.core as mx
-        from tests.unit.scheduling_probe import thread_policies
-        from tqbatch.testing.search.scheduling import batch_scheduling
-
-        mx.eval(mx.arange(4) + 1)  # MLX's stream thread exists before the call
-        stop = threading.Event()
-        before = threading.Thread(target=stop.wait)
-        before.start()
-        assert thread_policies() == [os.SCHED_OTHER], thread_policies()
-        assert batch_scheduling()
-        after = threading.Thread(target=stop.wait)
-        after.start()
-        print(thread_policies(), os.SCHED_BATCH, len(os.listdir("/proc/self/task")))
-        stop.set()
-        """
+    before, after, threads = _around(
+        "thread_policies()",
+        "batch_scheduling()",
+        "from tqbatch.testing.search.scheduling "
+        "import batch_scheduling; from tests.unit.scheduling_probe import thread_policies",
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=_root()
-    ).stdout.split()
-    policies, batch, threads = json.loads(out[0]), int(out[1]), int(out[2])
-    assert policies == [batch]
+    assert before == [os.SCHED_OTHER]
+    assert after == [os.SCHED_BATCH]
     assert threads >= 4  # main, MLX's stream thread, the thread before and the one after
 
 
@@ -83,31 +66,15 @@ def test_survey_processes_run_under_batch_scheduling_each_on_a_cpu_of_its_own(
 
 @affinity_only
 def test_every_thread_is_put_on_one_cpu_and_later_ones_inherit_it():
-    # In a process of its own: the test process keeps its CPUs.
-    script = textwrap.dedent(
-        """
-        import json, os, threading
-        import mlx.core as mx
-        from tests.unit.scheduling_probe import thread_cpus
-        from tqbatch.testing.search.scheduling import one_cpu, spread, _siblings
-
-        mx.eval(mx.arange(4) + 1)  # MLX's stream thread exists before the call
-        stop = threading.Event()
-        before = threading.Thread(target=stop.wait)
-        before.start()
-        first = spread(os.sched_getaffinity(0), _siblings)[0]
-        assert one_cpu(0, of=1) == first
-        after = threading.Thread(target=stop.wait)
-        after.start()
-        print(json.dumps([thread_cpus(), first, len(os.listdir("/proc/self/task"))]))
-        stop.set()
-        """
+    first = spread(os.sched_getaffinity(0), scheduling._siblings)[0]
+    before, after, threads = _around(
+        "thread_cpus()",
+        f"one_cpu(0, of=1) == {first}",
+        "from tqbatch.testing.search.scheduling "
+        "import one_cpu; from tests.unit.scheduling_probe import thread_cpus",
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=_root()
-    ).stdout
-    cpus, first, threads = json.loads(out)
-    assert cpus == [[first]]
+    assert before == [sorted(os.sched_getaffinity(0))]
+    assert after == [[first]]
     assert threads >= 4  # main, MLX's stream thread, the thread before and the one after
 
 
@@ -167,6 +134,34 @@ def test_a_survey_process_takes_its_cpu_before_loading_numpy_or_mlx():
 def test_without_the_policy_nothing_changes(monkeypatch):
     monkeypatch.delattr(os, "SCHED_BATCH", raising=False)
     assert scheduling.batch_scheduling() is False
+
+
+def _around(read: str, call: str, imports: str) -> tuple:
+    """In a process of its own (the test process keeps how it is scheduled): ``read`` before
+    and after ``call`` (which must be true), with MLX's stream thread and a thread started
+    before the call alive and one started after it; and the process's thread count."""
+    script = textwrap.dedent(
+        f"""
+        import json, os, threading
+        import mlx.core as mx
+        {imports}
+
+        mx.eval(mx.arange(4) + 1)  # MLX's stream thread exists before the call
+        stop = threading.Event()
+        before = threading.Thread(target=stop.wait)
+        before.start()
+        read_before = {read}
+        assert {call}
+        after = threading.Thread(target=stop.wait)
+        after.start()
+        print(json.dumps([read_before, {read}, len(os.listdir("/proc/self/task"))]))
+        stop.set()
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=_root()
+    )
+    return tuple(json.loads(out.stdout))
 
 
 def _root() -> str:

@@ -37,24 +37,16 @@ def batch_scheduling() -> bool:
     policy = getattr(os, "SCHED_BATCH", None)
     if policy is None or not hasattr(os, "sched_setscheduler"):
         return False
-    # Threads started before this call (MLX's stream thread) keep their
-    # policy unless set one by one; threads started later inherit it.
-    applied = False
-    for tid in _threads():
-        try:
-            os.sched_setscheduler(tid, policy, os.sched_param(0))
-        except OSError:  # a thread that has ended, or a policy the sandbox refuses
-            continue
-        applied = True
-    return applied
+    return _every_thread(lambda tid: os.sched_setscheduler(tid, policy, os.sched_param(0)))
 
 
 def one_cpu(index: int, of: int) -> int | None:
     """Put every thread of this process, and those it starts later, on one CPU.
 
-    This is process ``index`` of ``of`` that share the CPUs this process may
-    run on: it takes the ``index``-th of them in ``spread`` order, so that
-    each process has a core of its own while there are cores enough. Returns
+    This process is number ``index`` (from 0) of ``of`` processes that share
+    the CPUs it may run on: it takes the ``index``-th of those CPUs in
+    ``spread`` order, so that each process has a core of its own while there
+    are cores enough. Returns
     the CPU, or None where nothing changed: where the OS has no affinity call
     (macOS, Windows) or refuses it, or where the processes outnumber the
     CPUs (pinned, two would share one while the OS could have balanced them).
@@ -64,15 +56,8 @@ def one_cpu(index: int, of: int) -> int | None:
     cpus = spread(os.sched_getaffinity(0), _siblings)
     if of > len(cpus):
         return None
-    cpu = cpus[index % len(cpus)]
-    applied = False
-    for tid in _threads():
-        try:
-            os.sched_setaffinity(tid, {cpu})
-        except OSError:  # a thread that has ended, or a call the sandbox refuses
-            continue
-        applied = True
-    return cpu if applied else None
+    cpu = cpus[index]
+    return cpu if _every_thread(lambda tid: os.sched_setaffinity(tid, {cpu})) else None
 
 
 def spread(cpus: Iterable[int], siblings: Callable[[int], frozenset[int]]) -> list[int]:
@@ -112,9 +97,22 @@ def _cpu_list(text: str) -> list[int]:
     return cpus
 
 
-def _threads() -> list[int]:
-    """This process's threads (0, the calling thread only, where /proc does not list them)."""
+def _every_thread(apply: Callable[[int], object]) -> bool:
+    """``apply(tid)`` for every thread of this process; whether it took for any.
+
+    Threads started before the call (MLX's stream thread) keep their policy and
+    CPUs unless set one by one; threads started later inherit the setting of
+    the thread that starts them.
+    """
     try:
-        return [int(tid) for tid in os.listdir("/proc/self/task")]
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
     except OSError:
-        return [0]
+        threads = [0]  # the calling thread only, where /proc does not list them
+    applied = False
+    for tid in threads:
+        try:
+            apply(tid)
+        except OSError:  # a thread that has ended, or a call the sandbox refuses
+            continue
+        applied = True
+    return applied

@@ -327,14 +327,14 @@ def exit_with_parent(parent: int, poll_seconds: float = 1.0) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def process_main(directory: str, process: int, examples: int, parent: int) -> None:
+def process_main(cfg: dict, directory: str, process: int, examples: int, parent: int) -> None:
     """One process of ``run_in_processes``: its campaign, kept as ``shard-N.json``, and its
     result after each generating round as ``round-N-R.json``. Started as
-    ``tqbatch.testing.search.survey_process``, which schedules it first."""
+    ``tqbatch.testing.search.survey_process``, which reads ``directory``'s configuration
+    (``cfg``) and schedules it first."""
     from tqbatch.testing import backend
     from tqbatch.testing.target import load_impl
 
-    cfg = json.loads((Path(directory) / "config.json").read_text())
     exit_with_parent(parent)
 
     backend.select_device()  # the parent's, through $TQBATCH_DEVICE

@@ -22,13 +22,13 @@ from tqbatch.testing.search.scheduling import batch_scheduling, one_cpu
 
 def main(directory: str, process: int, examples: int, parent: int) -> None:
     """Survey process ``process`` of those ``directory``'s configuration starts."""
-    processes = json.loads((Path(directory) / "config.json").read_text())["processes"]
+    cfg = json.loads((Path(directory) / "config.json").read_text())
     batch_scheduling()  # shares the runner's cores with the other survey processes
-    one_cpu(process, of=processes)  # MLX's hand-overs stay on one CPU
+    one_cpu(process, of=cfg["processes"])  # MLX's hand-overs stay on one CPU
 
     from tqbatch.testing.search.shards import process_main  # after the CPU is taken
 
-    process_main(directory, process, examples, parent)
+    process_main(cfg, directory, process, examples, parent)
 
 
 if __name__ == "__main__":
